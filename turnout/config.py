@@ -1,0 +1,46 @@
+"""Engine configuration: one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct GGUF)
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; CPU default 1 GiB
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    seed: int = 0
+    ops_policy: str | None = None
+    enforce_eager: bool = False  # no CUDA graphs
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise ValueError(f"{field}: {why}")
+
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "bf16", "fp32", "fp16", "float"):
+            bad("dtype", f"unknown dtype {self.dtype!r} (auto, float32, float16, bfloat16)")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            bad("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            bad("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            bad("block_size", f"must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            bad("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            bad("load_format", f"unknown load format {self.load_format!r} (auto, safetensors, gguf, dummy)")

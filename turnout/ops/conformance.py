@@ -1,0 +1,132 @@
+"""The conformance suite: every available implementation of every op against the reference.
+
+Inputs come from each op's generator (fresh random data per seed). Outputs the implementation
+allocates are poisoned (torch fills uninitialised memory with NaN / max-int while the suite runs), and
+mutated arguments start from random data, so that an element an implementation forgets to write is
+caught, as is one it writes that it should not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from turnout.ops.reference._util import DTYPES
+
+
+@dataclass
+class CaseResult:
+    op: str
+    impl: str
+    dtype: str
+    case: str
+    ok: bool
+    max_error: float
+    message: str = ""
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """torch.empty & co. return NaN (floats) / max-int (ints) inside this block."""
+    det = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def _flatten(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _flatten(item)]
+    return []
+
+
+def _outputs(spec, case, result):
+    """The tensors an op produced: its return value and the arguments it mutates."""
+    outs = _flatten(result)
+    if spec.mutates:
+        bound = inspect.signature(spec.reference).bind(*case.args, **case.kwargs)
+        for name in spec.mutates:
+            outs += _flatten(bound.arguments[name])
+    return outs
+
+
+def compare_tensors(ref: list, got: list, atol: float, rtol: float) -> tuple[bool, float, str]:
+    if len(ref) != len(got):
+        return False, float("inf"), f"{len(got)} outputs, expected {len(ref)}"
+    worst = 0.0
+    for n, (r, g) in enumerate(zip(ref, got)):
+        if r.shape != g.shape:
+            return False, float("inf"), f"output {n}: shape {tuple(g.shape)}, expected {tuple(r.shape)}"
+        r, g = r.cpu(), g.cpu()
+        if not r.is_floating_point():
+            bad = (r != g).sum().item()
+            if bad:
+                return False, float(bad), f"output {n}: {bad} of {r.numel()} integer elements differ"
+            continue
+        r, g = r.float(), g.float()
+        if torch.isnan(g).any() and not torch.isnan(r).any():
+            return False, float("nan"), f"output {n}: NaN where the reference has numbers (unwritten elements?)"
+        err = (r - g).abs()
+        worst = max(worst, err.max().item() if err.numel() else 0.0)
+        bound = atol + rtol * r.abs()
+        if (err > bound).any():
+            return False, worst, f"output {n}: max error {worst:.3g} beyond atol={atol} rtol={rtol}"
+    return True, worst, ""
+
+
+def run_case(spec, fn, case, dtype: str) -> tuple[bool, float, str]:
+    ref_case = copy.deepcopy(case)
+    got_case = copy.deepcopy(case)
+    with poisoned_allocations():
+        ref_out = spec.reference(*ref_case.args, **ref_case.kwargs)
+        try:
+            got_out = fn(*got_case.args, **got_case.kwargs)
+        except Exception as e:
+            return False, float("inf"), f"raised {type(e).__name__}: {e}"
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    ref_t, got_t = _outputs(spec, ref_case, ref_out), _outputs(spec, got_case, got_out)
+    if spec.compare is not None:
+        return spec.compare(ref_t, got_t, ref_case)
+    atol, rtol = spec.tolerance.get(dtype, (1e-5, 1e-5))
+    return compare_tensors(ref_t, got_t, atol, rtol)
+
+
+def iter_cases(spec, device, seed: int = 0):
+    for dtype in spec.dtypes:
+        gen = torch.Generator().manual_seed(seed)
+        for case in spec.sample_inputs(device, DTYPES[dtype], gen):
+            yield dtype, case
+
+
+def run_conformance(table_or_registry, platform, ops: list[str] | None = None, seed: int = 0) -> list[CaseResult]:
+    """Run every available non-reference implementation of each op on its sample inputs."""
+    from turnout.ops.dispatch import resolve_op
+    from turnout.ops.policy import Policy
+
+    registry = getattr(table_or_registry, "_registry", table_or_registry)
+    policy = getattr(table_or_registry, "policy", None) or Policy.from_sources()
+    device = platform.device()
+    results = []
+    for op in ops or sorted(registry.ops):
+        spec = registry.ops[op]
+        res = resolve_op(op, registry, platform, policy)
+        for cand in res.candidates:
+            if not cand.available or cand.impl == "reference.torch":
+                continue
+            for dtype, case in iter_cases(spec, device, seed):
+                ok, err, msg = run_case(spec, cand.fn, case, dtype)
+                results.append(CaseResult(op, cand.impl, dtype, case.label, ok, err, msg))
+    return results

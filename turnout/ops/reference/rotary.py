@@ -1,0 +1,53 @@
+import torch
+
+from turnout.ops.reference._util import randint, randn
+from turnout.ops.spec import OpSpec, SampleCase
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    # x: [T, H, rot_dim]; cos, sin: [T, 1, rot_dim // 2]
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """In place on query [T, Hq, D] and key [T, Hk, D] (token stride may exceed H*D).
+
+    cos_sin_cache: [max_position, rot_dim] float32, cos in the first rot_dim/2 columns, sin in the
+    rest. Only the first rot_dim dims of each head rotate (partial rotary). ``is_neox``: rotate halves
+    (Llama/Qwen/NeoX); otherwise interleaved pairs (GPT-J). Computed in float32.
+    """
+    rot_dim = cos_sin_cache.shape[-1]
+    cs = cos_sin_cache[positions.long()].float()
+    cos, sin = cs[:, None, : rot_dim // 2], cs[:, None, rot_dim // 2:]
+    for t in (query, key):
+        r = t[..., :rot_dim]
+        r.copy_(_rotate(r.float(), cos, sin, is_neox).to(t.dtype))
+
+
+def make_cos_sin_cache(rot_dim: int, max_position: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, rot_dim]
+
+
+def _samples(device, dtype, gen):
+    for t, hq, hk, d, rot, neox in [(1, 4, 2, 64, 64, True), (7, 8, 2, 64, 64, False), (13, 4, 4, 128, 64, True),
+                                    (5, 6, 2, 32, 16, False)]:
+        cache = make_cos_sin_cache(rot, 4096).to(device)
+        # q and k as views into one fused qkv tensor, as the model produces them.
+        qkv = randn((t, (hq + 2 * hk) * d), dtype, device, gen)
+        q = qkv[:, : hq * d].view(t, hq, d)
+        k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+        pos = randint(0, 4096, (t,), device, gen)
+        yield SampleCase(f"T{t}-Hq{hq}-Hk{hk}-D{d}-rot{rot}-{'neox' if neox else 'gptj'}", (pos, q, k, cache, neox))
+
+
+ROTARY_EMBEDDING = OpSpec(
+    "rotary_embedding", rotary_embedding, _samples, mutates=("query", "key"),
+    tolerance={"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)},
+    doc="RoPE in place on q and k (neox or gptj style, partial rotary)")
