@@ -10,11 +10,24 @@ def _check(platform):
     return platform.triton_usable()
 
 
-# op name -> "module:function" of its Triton implementation
-KERNELS: dict[str, str] = {}
+# op name -> "module:function" of its Triton implementation (modules under turnout/ops/triton/)
+KERNELS: dict[str, str] = {
+    "rms_norm": "norm:rms_norm",
+    "fused_add_rms_norm": "norm:fused_add_rms_norm",
+    "rotary_embedding": "rotary:rotary_embedding",
+    "silu_and_mul": "activation:silu_and_mul",
+    "reshape_and_cache": "cache:reshape_and_cache",
+    "copy_blocks": "cache:copy_blocks",
+    "swap_blocks": "cache:swap_blocks",
+    "paged_attention": "attention:paged_attention",
+    "sample": "sampling:sample",
+    "moe_experts": "moe:moe_experts",
+}
 
 
 def register(registry) -> None:
     for op, target in KERNELS.items():
+        if op not in registry.ops:  # an op whose declaration is not loaded
+            continue
         registry.add_impl(Impl(op=op, id="triton.default", target=f"turnout.ops.triton.{target}",
                                platforms=TRITON_PLATFORMS, priority=0, check=_check))

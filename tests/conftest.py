@@ -1,0 +1,23 @@
+import os
+
+# Triton kernels run under the interpreter where there is no GPU. This must be set before any
+# kernel module is imported (triton.jit reads it at decoration time).
+try:
+    import torch
+
+    _has_gpu = torch.cuda.is_available()
+except Exception:  # pragma: no cover
+    _has_gpu = False
+if not _has_gpu:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,46 @@
+"""The `turnout` command. Each subcommand lives in its own module with add_arguments(parser) and run(args)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUBCOMMANDS = {
+    "generate": ("turnout.entrypoints.generate_cmd", "generate text offline"),
+    "serve": ("turnout.entrypoints.openai.serve_cmd", "run the OpenAI-compatible server"),
+    "bench": ("turnout.entrypoints.bench_cmd", "latency / throughput benchmarks"),
+    "ops": ("turnout.entrypoints.ops_cmd", "show (and check) the op dispatch table of this machine"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="turnout", description="A portable LLM inference engine.")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (ValueError, RuntimeError) as e:
+        # User mistakes and start-up failures: one clear line, no traceback.
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        print(f"turnout {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

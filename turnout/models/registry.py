@@ -1,0 +1,31 @@
+"""HF ``architectures`` name -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+# architecture name -> "module:class" under turnout.models
+MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "qwen2_moe:Qwen2MoeForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODELS)
+
+
+def get_model_class(architectures: list[str] | None):
+    """The class for the first supported name in ``architectures``; a clear error otherwise."""
+    for arch in architectures or []:
+        if arch in MODELS:
+            module, _, cls = MODELS[arch].partition(":")
+            return getattr(importlib.import_module(f"turnout.models.{module}"), cls)
+    raise ValueError(f"unsupported model architecture {architectures!r}; turnout supports: "
+                     f"{', '.join(supported_architectures())}")
