@@ -1,6 +1,53 @@
+"""`turnout generate`: stream text for one prompt; a progress bar (tokens/s) for many."""
+
+import sys
+
+
 def add_arguments(p) -> None:
-    pass
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--ops-policy", default=None)
 
 
 def run(args) -> int:
-    raise RuntimeError("not built yet")
+    import time
+
+    from turnout.engine.llm import LLM
+    from turnout.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              load_format=args.load_format, ops_policy=args.ops_policy)
+    engine = llm.engine
+    if args.chat:
+        prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
+    else:
+        prompts = list(args.prompts)
+    if len(prompts) == 1:
+        engine.add_request("0", prompts[0], params)
+        shown, t0, n = 0, time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                sys.stdout.write(text[shown:])
+                sys.stdout.flush()
+                shown = len(text)
+                n = len(out.outputs[0].token_ids)
+        dt = time.perf_counter() - t0
+        sys.stdout.write("\n")
+        print(f"[{n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tokens/s]", file=sys.stderr)
+        return 0
+    for i, out in enumerate(llm._run(prompts, params, use_tqdm=True)):
+        print(f"--- [{i}] {args.prompts[i]!r}\n{out.outputs[0].text}")
+    return 0

