@@ -86,7 +86,7 @@ def compare_tensors(ref: list, got: list, atol: float, rtol: float) -> tuple[boo
     return True, worst, ""
 
 
-def run_case(spec, fn, case, dtype: str) -> tuple[bool, float, str]:
+def run_case(spec, fn, case, dtype: str, platform=None) -> tuple[bool, float, str]:
     ref_case = copy.deepcopy(case)
     got_case = copy.deepcopy(case)
     with poisoned_allocations():
@@ -95,7 +95,9 @@ def run_case(spec, fn, case, dtype: str) -> tuple[bool, float, str]:
             got_out = fn(*got_case.args, **got_case.kwargs)
         except Exception as e:
             return False, float("inf"), f"raised {type(e).__name__}: {e}"
-    if torch.cuda.is_available():
+    if platform is not None:
+        platform.synchronize()
+    elif torch.cuda.is_available():
         torch.cuda.synchronize()
     ref_t, got_t = _outputs(spec, ref_case, ref_out), _outputs(spec, got_case, got_out)
     if spec.compare is not None:
@@ -111,13 +113,15 @@ def iter_cases(spec, device, seed: int = 0):
             yield dtype, case
 
 
-def run_conformance(table_or_registry, platform, ops: list[str] | None = None, seed: int = 0) -> list[CaseResult]:
-    """Run every available non-reference implementation of each op on its sample inputs."""
+def run_conformance(table_or_registry, platform, ops: list[str] | None = None, seed: int = 0,
+                    policy=None) -> list[CaseResult]:
+    """Run every available non-reference implementation of each op (not denied by the policy) on its
+    sample inputs, against the reference."""
     from turnout.ops.dispatch import resolve_op
     from turnout.ops.policy import Policy
 
     registry = getattr(table_or_registry, "_registry", table_or_registry)
-    policy = getattr(table_or_registry, "policy", None) or Policy.from_sources()
+    policy = policy or getattr(table_or_registry, "policy", None) or Policy.from_sources(platform=platform)
     device = platform.device()
     results = []
     for op in ops or sorted(registry.ops):
@@ -127,6 +131,6 @@ def run_conformance(table_or_registry, platform, ops: list[str] | None = None, s
             if not cand.available or cand.impl == "reference.torch":
                 continue
             for dtype, case in iter_cases(spec, device, seed):
-                ok, err, msg = run_case(spec, cand.fn, case, dtype)
+                ok, err, msg = run_case(spec, cand.fn, case, dtype, platform)
                 results.append(CaseResult(op, cand.impl, dtype, case.label, ok, err, msg))
     return results

@@ -1,14 +1,17 @@
 """Resolve every op once, at engine start, into a frozen table of callables.
 
-After resolution, ``table.rms_norm(...)`` is a plain attribute lookup of the chosen callable. Only the
-first call of each op goes through a guard that implements fallback: an implementation that raises on
-first use is marked failed and the next available candidate is used (never for an op that writes into
-its arguments, which may have been partly written; never in strict mode).
+After resolution, ``table.rms_norm(...)`` is a plain attribute lookup. Only the first call of each op
+goes through a guard that implements fallback: an implementation that raises on its first call is
+marked failed and the next available candidate is used, with a warning. Never for an op that writes
+into its arguments (they may be partly written: the error says so), never in strict mode. Once a call
+succeeds the table attribute is replaced by the implementation's own function: nothing runs per call.
+Take the first call of every op (a warm-up step) before CUDA-graph capture or ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -41,29 +44,58 @@ class Candidate:
 class Resolution:
     op: str
     chosen: str | None
-    candidates: list[Candidate]  # in policy order; then the ones that do not apply
+    candidates: list[Candidate]  # in the order tried; then the ones the policy excludes
+    error: str | None = None  # why nothing was chosen (strict policy, no candidate)
+
+    def candidate(self, impl_id: str) -> Candidate:
+        return next(c for c in self.candidates if c.impl == impl_id)
+
+    def skip_reason(self, c: Candidate) -> str:
+        if c.available and self.chosen is not None:
+            return f"available; ranked below {self.chosen}"
+        return c.reason
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "op": self.op,
             "chosen": self.chosen,
             "candidates": [{"impl": c.impl, "available": c.available, "reason": c.reason,
                             "source": c.source} for c in self.candidates],
         }
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+def _expand(items: tuple[str, ...], impls: list[Impl]) -> list[Impl]:
+    """A per-op order: implementation ids as given, families as their members by priority."""
+    by_id = {i.id: i for i in impls}
+    out: list[Impl] = []
+    for item in items:
+        if "." in item:
+            group = [by_id[item]]
+        else:
+            group = sorted((i for i in impls if i.family == item), key=lambda i: (-i.priority, i.id))
+        out += [i for i in group if i not in out]
+    return out
 
 
 def _order(op: str, impls: list[Impl], platform, policy: Policy) -> tuple[list[Impl], list[tuple[Impl, str]]]:
     """Candidates in the order the policy tries them, and the ones it excludes (with why)."""
     excluded: list[tuple[Impl, str]] = []
     if op in policy.per_op:
-        by_id = {i.id: i for i in impls}
-        ordered = [by_id[i] for i in policy.per_op[op]]
-        excluded = [(i, f"not in policy order for {op} ({'|'.join(policy.per_op[op])})")
-                    for i in impls if i.id not in policy.per_op[op]]
+        order = "|".join(policy.per_op[op])
+        ordered = _expand(policy.per_op[op], impls)
+        excluded = [(i, f"not in the policy's order for {op} ({order})") for i in impls if i not in ordered]
     else:
         families = policy.family_order(platform)
         rank = {f: n for n, f in enumerate(families)}
         ordered = sorted(impls, key=lambda i: (rank.get(i.family, len(rank)), -i.priority, i.id))
+        # An implementation for another platform is no candidate here (so strict mode is about the
+        # first one that could run). Named explicitly in a per-op order, it stays and is reported.
+        excluded = [(i, f"does not serve platform {platform.name} (serves {','.join(i.platforms)})")
+                    for i in ordered if not i.serves(platform)]
+        ordered = [i for i in ordered if i.serves(platform)]
     kept = []
     for i in ordered:
         if policy.is_denied(i.id):
@@ -74,6 +106,8 @@ def _order(op: str, impls: list[Impl], platform, policy: Policy) -> tuple[list[I
 
 
 def resolve_op(op: str, registry: Registry, platform, policy: Policy) -> Resolution:
+    """Probe every candidate of ``op`` (so that the table can say why each was skipped) and choose the
+    first available one. Never raises for an unusable op: ``Resolution.error`` says why."""
     kept, excluded = _order(op, registry.impls[op], platform, policy)
     cands: list[Candidate] = []
     chosen = None
@@ -84,29 +118,36 @@ def resolve_op(op: str, registry: Registry, platform, policy: Policy) -> Resolut
             chosen = impl.id
     for impl, reason in excluded:
         cands.append(Candidate(impl.id, False, reason, impl.source))
-    if chosen is not None and policy.strict and kept and chosen != kept[0].id:
-        first = cands[0]
-        raise OpUnavailableError(
-            f"op {op!r} on platform {platform.name}: strict policy ({policy.source}) and the first "
-            f"candidate {first.impl} is unavailable: {first.reason}")
-    return Resolution(op, chosen, cands)
+    res = Resolution(op, chosen, cands)
+    where = f"op {op!r} on platform {platform.name}"
+    if policy.strict and kept and not cands[0].available:
+        res.chosen = None
+        res.error = (f"{where}: strict policy ({policy.source}) and the first candidate {cands[0].impl} "
+                     f"is unavailable: {cands[0].reason}")
+    elif chosen is None:
+        tried = "; ".join(f"{c.impl}: {c.reason}" for c in cands) or "no implementation registered"
+        res.error = f"{where} has no usable implementation (policy {policy.describe()}). Tried: {tried}"
+    return res
 
 
 class OpTable:
-    """The frozen op table an engine runs with. One attribute per op."""
+    """The frozen op table an engine runs with: one attribute per op."""
 
     def __init__(self, platform, policy: Policy, resolutions: dict[str, Resolution], registry: Registry):
-        self.platform = platform
-        self.policy = policy
-        self.resolutions = resolutions
-        self._registry = registry
-        for op, res in resolutions.items():
+        object.__setattr__(self, "platform", platform)
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "resolutions", resolutions)
+        object.__setattr__(self, "_registry", registry)
+        for op in resolutions:
             object.__setattr__(self, op, _FirstCallGuard(self, op))
 
     def __setattr__(self, name, value):
-        if hasattr(self, "resolutions") and name in self.resolutions:
-            raise AttributeError(f"the op table is frozen; {name!r} cannot be reassigned")
-        object.__setattr__(self, name, value)
+        raise AttributeError(f"the op table is frozen; {name!r} cannot be assigned")
+
+    def __getattr__(self, name):  # only reached for names that are not ops of this table
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"the op table has no op {name!r}; it has: {', '.join(sorted(self.resolutions))}")
 
     def _settle(self, op: str, fn: Callable) -> None:
         object.__setattr__(self, op, fn)
@@ -120,8 +161,7 @@ class OpTable:
     def format_table(self) -> str:
         rows = [("op", "chosen", "skipped (why)")]
         for r in self.resolutions.values():
-            skipped = "; ".join(f"{c.impl}: {c.reason}" for c in r.candidates
-                                if c.impl != r.chosen and not (c.available and r.chosen is None))
+            skipped = "; ".join(f"{c.impl}: {r.skip_reason(c)}" for c in r.candidates if c.impl != r.chosen)
             rows.append((r.op, r.chosen or "-", skipped or "-"))
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
@@ -129,38 +169,55 @@ class OpTable:
 
 
 class _FirstCallGuard:
-    """Runs an op's first call; on success the table points straight at the callable."""
+    """Runs an op's first call; on success the table points straight at the implementation."""
 
     def __init__(self, table: OpTable, op: str):
         self.table = table
         self.op = op
+        self.lock = threading.Lock()
+        self.error: OpFailedError | None = None  # sticky: an in-place or strict failure
+
+    def __repr__(self):
+        return f"<first call of op {self.op!r} -> {self.table.resolutions[self.op].chosen}>"
 
     def __call__(self, *args, **kwargs):
+        with self.lock:
+            current = self.table.__dict__[self.op]
+            if current is not self:  # another thread settled it meanwhile
+                return current(*args, **kwargs)
+            return self._first_call(args, kwargs)
+
+    def _first_call(self, args, kwargs):
         table, op = self.table, self.op
+        if self.error is not None:
+            raise self.error
         res = table.resolutions[op]
         spec = table._registry.ops[op]
         while True:
-            cand = next(c for c in res.candidates if c.impl == res.chosen)
+            cand = res.candidate(res.chosen)
             try:
                 out = cand.fn(*args, **kwargs)
             except Exception as e:
                 err = f"{type(e).__name__}: {e}"
                 cand.available, cand.reason = False, f"failed on first use: {err}"
-                nxt = next((c for c in res.candidates if c.available), None)
                 where = f"op {op!r} implementation {cand.impl} on platform {table.platform.name}"
                 if table.policy.strict:
-                    raise OpFailedError(f"{where} failed on first use and the policy is strict: {err}") from e
+                    self.error = OpFailedError(f"{where} failed on first use and the policy is strict "
+                                               f"({table.policy.source}), so there is no fallback: {err}")
+                    raise self.error from e
                 if spec.inplace:
-                    raise OpFailedError(
-                        f"{where} failed on first use: {err}. Not retried with another implementation "
-                        f"because the op writes into {', '.join(spec.mutates)}, which may be partly written; "
-                        f"deny it with TURNOUT_OPS='deny={cand.impl}'") from e
+                    self.error = OpFailedError(
+                        f"{where} failed on first use: {err}. Not retried with another implementation: the "
+                        f"op writes into {', '.join(spec.mutates)}, which may be partly written. Deny it "
+                        f"(TURNOUT_OPS='deny={cand.impl}') to use the next candidate")
+                    raise self.error from e
+                nxt = next((c for c in res.candidates if c.available), None)
                 if nxt is None:
                     raise OpUnavailableError(f"{where} failed on first use ({err}) and no other "
-                                             f"implementation is available") from e
+                                             "implementation is available") from e
                 msg = f"{where} failed on first use ({err}); falling back to {nxt.impl}"
                 logger.warning(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
                 res.chosen = nxt.impl
                 continue
             table._settle(op, cand.fn)
@@ -169,25 +226,28 @@ class _FirstCallGuard:
 
 def resolve(platform, policy: Policy | None = None, registry: Registry | None = None,
             ops: list[str] | None = None) -> OpTable:
-    """Resolve every op (or ``ops``) for ``platform`` under ``policy``. Raises OpUnavailableError
-    naming the op, the platform and every candidate with its reason if an op has no implementation."""
+    """Resolve every op (or ``ops``) for ``platform`` under ``policy`` (default: the platform's
+    default, then ``TURNOUT_OPS``). Raises PolicyError for a policy naming unknown things, and
+    OpUnavailableError naming the op, the platform and every candidate with its reason if an op has
+    no implementation (or its first choice is unavailable under a strict policy)."""
     registry = registry or default_registry()
-    policy = policy or Policy.from_sources()
+    policy = policy or Policy.from_sources(platform=platform)
     policy.validate(registry)
+    unknown = [op for op in ops or () if op not in registry.ops]
+    if unknown:
+        raise OpUnavailableError(f"unknown op {unknown[0]!r}; known ops: {', '.join(sorted(registry.ops))}")
     resolutions = {}
     for op in ops or sorted(registry.ops):
         res = resolve_op(op, registry, platform, policy)
-        if res.chosen is None:
-            tried = "; ".join(f"{c.impl}: {c.reason}" for c in res.candidates) or "no implementation registered"
-            raise OpUnavailableError(f"op {op!r} has no usable implementation on platform {platform.name} "
-                                     f"(policy {policy.describe()}). Tried: {tried}")
+        if res.error:
+            raise OpUnavailableError(res.error)
         resolutions[op] = res
     return OpTable(platform, policy, resolutions, registry)
 
 
 def log_table(table: OpTable, log: logging.Logger = logger) -> None:
-    log.info("op dispatch on %s (policy %s):\n%s", table.platform.name, table.policy.describe(),
-             table.format_table())
-    for p in table._registry.plugins:
-        if not p.loaded:
-            log.warning("ops plugin %s not loaded: %s", p.name, p.reason)
+    """The one start-up log record: op -> chosen -> why each other candidate was skipped."""
+    failed = [p for p in table._registry.plugins if not p.loaded]
+    extra = "".join(f"\nplugin {p.name} not loaded: {p.reason}" for p in failed)
+    log.info("op dispatch on %s (policy %s):\n%s%s", table.platform.name, table.policy.describe(),
+             table.format_table(), extra)

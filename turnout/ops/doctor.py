@@ -1,4 +1,8 @@
-"""`turnout ops`: the dispatch table of this machine, and the conformance suite on demand."""
+"""`turnout ops`: the dispatch table of this machine, and the conformance suite on demand.
+
+Exit codes: 0 fine; 1 an op has no usable implementation, or a conformance case failed; 2 (from
+cli.py) a malformed or unknown ``TURNOUT_OPS`` / ``--op`` / ``--device``.
+"""
 
 from __future__ import annotations
 
@@ -7,60 +11,101 @@ import sys
 
 from turnout.ops.dispatch import resolve_op
 from turnout.ops.policy import Policy
-from turnout.ops.registry import default_registry
+from turnout.ops.registry import Registry, default_registry
 
 
-def collect(platform, policy: Policy | None = None) -> list[dict]:
-    registry = default_registry()
-    policy = policy or Policy.from_sources()
+def _select_ops(registry: Registry, ops: list[str] | None) -> list[str]:
+    names = [n.strip() for item in ops or () for n in item.split(",") if n.strip()]
+    unknown = [n for n in names if n not in registry.ops]
+    if unknown:
+        raise ValueError(f"unknown op {unknown[0]!r}; known ops: {', '.join(sorted(registry.ops))}")
+    return names or sorted(registry.ops)
+
+
+def collect(platform, policy: Policy | None = None, registry: Registry | None = None,
+            ops: list[str] | None = None) -> list[dict]:
+    """One row per op: ``{"op", "chosen", "candidates": [{"impl", "available", "reason", "source"}]}``
+    (plus ``"error"`` when nothing can be chosen). Raises PolicyError for a bad policy."""
+    registry = registry or default_registry()
+    policy = policy or Policy.from_sources(platform=platform)
     policy.validate(registry)
-    return [resolve_op(op, registry, platform, policy).to_dict() for op in sorted(registry.ops)]
+    return [resolve_op(op, registry, platform, policy).to_dict() for op in _select_ops(registry, ops)]
 
 
-def main(as_json: bool = False, check: bool = False, device: str = "auto", out=sys.stdout) -> int:
-    from turnout.platforms import detect_platform
+def summarize(results) -> list[dict]:
+    """Conformance results folded per (op, implementation)."""
+    summary: dict[tuple, dict] = {}
+    for r in results:
+        s = summary.setdefault((r.op, r.impl), {"op": r.op, "impl": r.impl, "passed": True, "cases": 0,
+                                                "failed": 0, "max_error": 0.0, "failures": []})
+        s["cases"] += 1
+        s["max_error"] = max(s["max_error"], r.max_error)
+        if not r.ok:
+            s["failed"] += 1
+            s["passed"] = False
+            s["failures"].append(f"{r.dtype} {r.case}: {r.message}")
+    return list(summary.values())
 
-    platform = detect_platform(device)
-    policy = Policy.from_sources()
-    rows = collect(platform, policy)
-    registry = default_registry()
+
+def _write_check(out, platform, policy, rows, summary, as_json) -> None:
+    if as_json:
+        json.dump(summary, out, indent=2)
+        out.write("\n")
+        return
+    out.write(f"conformance on {platform.name} ({platform.description}), policy {policy.describe()}\n")
+    tested = {(s["op"], s["impl"]) for s in summary}
+    for s in summary:
+        verdict = "PASS" if s["passed"] else f"FAIL ({s['failed']}/{s['cases']})"
+        out.write(f"  {s['op']:<20} {s['impl']:<18} {verdict:<14} max error {s['max_error']:.3g}"
+                  f"  ({s['cases']} cases)\n")
+        for f in s["failures"][:3]:
+            out.write(f"      {f}\n")
+    for row in rows:  # say what could not be tested here, and why
+        for c in row["candidates"]:
+            if c["impl"] != "reference.torch" and (row["op"], c["impl"]) not in tested:
+                out.write(f"  {row['op']:<20} {c['impl']:<18} {'SKIP':<14} {c['reason']}\n")
+    if not summary:
+        out.write("  no non-reference implementation is available here\n")
+
+
+def main(as_json: bool = False, check: bool = False, device: str = "auto", ops: list[str] | None = None,
+         out=sys.stdout, registry: Registry | None = None) -> int:
+    from turnout.platforms import detect_platform, probe_all
+
+    probes = probe_all()
+    platform = detect_platform(device, results=probes)
+    registry = registry or default_registry()
+    policy = Policy.from_sources(platform=platform)
+    rows = collect(platform, policy, registry, ops)
     if check:
         from turnout.ops.conformance import run_conformance
 
-        results = run_conformance(registry, platform)
-        summary: dict[tuple, dict] = {}
-        for r in results:
-            s = summary.setdefault((r.op, r.impl), {"op": r.op, "impl": r.impl, "cases": 0, "failed": 0,
-                                                    "max_error": 0.0, "failures": []})
-            s["cases"] += 1
-            s["max_error"] = max(s["max_error"], r.max_error)
-            if not r.ok:
-                s["failed"] += 1
-                s["failures"].append(f"{r.dtype} {r.case}: {r.message}")
-        if as_json:
-            json.dump(list(summary.values()), out, indent=2)
-            out.write("\n")
-        else:
-            out.write(f"conformance on {platform.name} ({platform.description}), policy {policy.describe()}\n")
-            for s in summary.values():
-                verdict = "PASS" if not s["failed"] else f"FAIL ({s['failed']}/{s['cases']})"
-                out.write(f"  {s['op']:<20} {s['impl']:<16} {verdict:<14} max error {s['max_error']:.3g}\n")
-                for f in s["failures"][:3]:
-                    out.write(f"      {f}\n")
-            if not summary:
-                out.write("  no non-reference implementation is available here\n")
-        return 1 if any(s["failed"] for s in summary.values()) else 0
+        results = run_conformance(registry, platform, ops=[r["op"] for r in rows], policy=policy)
+        summary = summarize(results)
+        _write_check(out, platform, policy, rows, summary, as_json)
+        return 0 if all(s["passed"] for s in summary) else 1
+    ok = all(r["chosen"] for r in rows)
     if as_json:
         json.dump(rows, out, indent=2)
         out.write("\n")
-        return 0
-    out.write(f"platform: {platform.name} ({platform.description})\npolicy: {policy.describe()}\n\n")
+        return 0 if ok else 1
+    out.write(f"platform: {platform.name} ({platform.description}); device {platform.device_type}, "
+              f"distributed backend {platform.dist_backend}\n")
+    for p in probes:
+        mark = "*" if p.platform is platform else ("+" if p.platform is not None else "-")
+        out.write(f"   {mark} {p.source:<22} {p.reason}\n")
+    out.write(f"policy: {policy.describe()}  [{policy.source}]\n\n")
+    out.write("ops (* chosen, + available, - unavailable):\n")
     for row in rows:
         out.write(f"{row['op']}  ->  {row['chosen'] or 'NONE'}\n")
         for c in row["candidates"]:
             mark = "*" if c["impl"] == row["chosen"] else ("+" if c["available"] else "-")
             src = f" [{c['source']}]" if c["source"] != "builtin" else ""
-            out.write(f"   {mark} {c['impl']:<18}{src} {c['reason']}\n")
-    for p in registry.plugins:
-        out.write(f"\nplugin {p.name}: {'loaded' if p.loaded else 'FAILED'}: {p.reason}\n")
-    return 0 if all(r["chosen"] for r in rows) else 1
+            out.write(f"   {mark} {c['impl']}{src}  {c['reason']}\n")
+        if row.get("error"):
+            out.write(f"   ! {row['error']}\n")
+    if registry.plugins:
+        out.write("\nplugins and vendor modules:\n")
+        for p in registry.plugins:
+            out.write(f"   {p.name}: {'loaded' if p.loaded else 'FAILED'}: {p.reason}\n")
+    return 0 if ok else 1

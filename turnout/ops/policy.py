@@ -1,27 +1,36 @@
 """The op policy: which implementation families to prefer, per-op orders, a deny list, strict mode.
 
-Grammar (clauses separated by ';', whitespace ignored)::
+Grammar (clauses separated by ';', whitespace around names ignored, each key at most once a string)::
 
     prefer=<family>|<family>...     families first, in this order; the others follow in platform order
-    <op>=<impl id>|<impl id>...     exactly these candidates for this op, in this order
+    <op>=<impl or family>|...       exactly these candidates for this op, in this order (a family
+                                    stands for its implementations, highest priority first)
     deny=<impl id or family>,...    never use these ("vendor.cuda", or a whole family "vendor")
-    strict=0|1                      1: no fallback; an unavailable or failing choice is an error
+    strict=0|1                      1: no fallback; an unavailable or failing first choice is an error
 
-Example: ``rms_norm=triton.default|reference.torch;deny=vendor.cuda;strict=1``.
-The engine config's policy string is read first; ``TURNOUT_OPS`` is applied on top of it.
+Lists take '|' or ','. Example: ``rms_norm=triton.default|reference.torch;deny=vendor.cuda;strict=1``.
+
+Layers, each on top of the one before: the platform's default (``Platform.ops_policy``), the engine
+config's ``ops_policy``, then ``TURNOUT_OPS``. A later layer replaces ``prefer``, ``strict`` and the
+order of each op it names; ``deny`` lists add up. Read once, at engine start; never in a hot path.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 
+from turnout.ops.spec import KNOWN_FAMILIES
+
 ENV_VAR = "TURNOUT_OPS"
-KNOWN_FAMILIES = ("vendor", "triton", "reference")
+RESERVED_KEYS = ("prefer", "deny", "strict")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 class PolicyError(ValueError):
-    """A malformed policy string, or one naming an unknown op or implementation."""
+    """A malformed policy string, or one naming an unknown op, implementation or family."""
 
 
 @dataclass(frozen=True)
@@ -34,8 +43,10 @@ class Policy:
 
     @classmethod
     def parse(cls, text: str | None, source: str = "string", base: "Policy | None" = None) -> "Policy":
+        """Parse ``text`` on top of ``base``. Raises PolicyError naming the source and the clause."""
         pol = base or cls()
         prefer, per_op, deny, strict = pol.prefer, dict(pol.per_op), set(pol.deny), pol.strict
+        seen: set[str] = set()
         for raw in (text or "").split(";"):
             clause = raw.strip()
             if not clause:
@@ -43,55 +54,79 @@ class Policy:
             key, sep, value = clause.partition("=")
             key, value = key.strip(), value.strip()
             if not sep or not key or not value:
-                raise PolicyError(f"{source}: clause {clause!r} is not 'key=value'")
-            items = tuple(v.strip() for v in value.replace(",", "|").split("|"))
+                raise PolicyError(f"{source}: clause {clause!r} is not 'key=value' "
+                                  f"(keys: prefer, deny, strict, or an op name)")
+            if not _NAME_RE.match(key):
+                raise PolicyError(f"{source}: {key!r} in {clause!r} is not a valid key")
+            if key in seen:
+                raise PolicyError(f"{source}: {key!r} is given twice")
+            seen.add(key)
+            if key == "strict":
+                low = value.lower()
+                if low not in _TRUE + _FALSE:
+                    raise PolicyError(f"{source}: strict must be 0 or 1, got {value!r}")
+                strict = low in _TRUE
+                continue
+            items = tuple(v.strip() for v in re.split(r"[|,]", value))
             if any(not v for v in items):
                 raise PolicyError(f"{source}: empty name in {clause!r}")
+            bad = [v for v in items if not _NAME_RE.match(v)]
+            if bad:
+                raise PolicyError(f"{source}: {bad[0]!r} in {clause!r} is not an implementation id or family")
+            dup = sorted({v for v in items if items.count(v) > 1})
+            if dup:
+                raise PolicyError(f"{source}: {dup[0]!r} is listed twice in {clause!r}")
+            for v in items:  # a bare name must be a family; a dotted one is an id, checked in validate()
+                if "." not in v and v not in KNOWN_FAMILIES:
+                    raise PolicyError(f"{source}: unknown family {v!r} in {clause!r} "
+                                      f"(families: {', '.join(KNOWN_FAMILIES)}; implementations are "
+                                      "'<family>.<name>')")
+                if "." in v and v.split(".", 1)[0] not in KNOWN_FAMILIES:
+                    raise PolicyError(f"{source}: {v!r} in {clause!r} has unknown family "
+                                      f"{v.split('.', 1)[0]!r} (families: {', '.join(KNOWN_FAMILIES)})")
             if key == "prefer":
-                bad = [f for f in items if f not in KNOWN_FAMILIES]
-                if bad:
-                    raise PolicyError(f"{source}: unknown family {bad[0]!r} in {clause!r} "
-                                      f"(families: {', '.join(KNOWN_FAMILIES)})")
+                ids = [v for v in items if "." in v]
+                if ids:
+                    raise PolicyError(f"{source}: prefer takes families ({', '.join(KNOWN_FAMILIES)}), "
+                                      f"not implementation {ids[0]!r}; to order one op use '<op>={ids[0]}|...'")
                 prefer = items
             elif key == "deny":
                 deny |= set(items)
-            elif key == "strict":
-                if value not in ("0", "1", "true", "false"):
-                    raise PolicyError(f"{source}: strict must be 0 or 1, got {value!r}")
-                strict = value in ("1", "true")
             else:
-                for impl in items:
-                    if "." not in impl:
-                        raise PolicyError(f"{source}: {impl!r} in {clause!r} is not an implementation id "
-                                          "'<family>.<name>'")
                 per_op[key] = items
-        return replace(pol, prefer=prefer, per_op=per_op, deny=frozenset(deny), strict=strict,
-                       source=source if pol.source == "default" else f"{pol.source}+{source}")
+        src = source if pol.source == "default" else f"{pol.source}+{source}"
+        return replace(pol, prefer=prefer, per_op=per_op, deny=frozenset(deny), strict=strict, source=src)
 
     @classmethod
-    def from_sources(cls, config_text: str | None = None, env: dict | None = None) -> "Policy":
-        """The engine config's policy, then ``TURNOUT_OPS`` on top. Read once, at engine start."""
+    def from_sources(cls, config_text: str | None = None, env: dict | None = None,
+                     platform=None) -> "Policy":
+        """Platform default, then the engine config's policy, then ``TURNOUT_OPS``. Read once."""
         env = os.environ if env is None else env
-        pol = cls.parse(config_text, source="ops_policy") if config_text else cls()
+        pol = cls()
+        default_text = getattr(platform, "ops_policy", "") if platform is not None else ""
+        if default_text:
+            pol = cls.parse(default_text, source=f"platform {platform.name} default", base=pol)
+        if config_text:
+            pol = cls.parse(config_text, source="ops_policy", base=pol)
         env_text = env.get(ENV_VAR)
-        if env_text:
+        if env_text and env_text.strip():
             pol = cls.parse(env_text, source=ENV_VAR, base=pol)
         return pol
 
     def validate(self, registry) -> None:
         """Unknown op or implementation names are errors at start-up, not silently ignored."""
         all_ids = registry.impl_ids()
-        for op, impls in self.per_op.items():
+        for op, items in self.per_op.items():
             if op not in registry.ops:
                 raise PolicyError(f"policy ({self.source}) names unknown op {op!r}; "
                                   f"known ops: {', '.join(sorted(registry.ops))}")
             known = registry.impl_ids(op)
-            for impl in impls:
-                if impl not in known:
-                    raise PolicyError(f"policy ({self.source}): op {op!r} has no implementation {impl!r}; "
+            for item in items:
+                if "." in item and item not in known:
+                    raise PolicyError(f"policy ({self.source}): op {op!r} has no implementation {item!r}; "
                                       f"it has: {', '.join(sorted(known))}")
-        for d in self.deny:
-            if d not in all_ids and d not in KNOWN_FAMILIES:
+        for d in sorted(self.deny):
+            if "." in d and d not in all_ids:
                 raise PolicyError(f"policy ({self.source}) denies unknown implementation {d!r}; "
                                   f"known: {', '.join(sorted(all_ids))}")
 
@@ -100,6 +135,7 @@ class Policy:
 
     def family_order(self, platform) -> tuple[str, ...]:
         rest = [f for f in platform.family_order if f not in self.prefer]
+        rest += [f for f in KNOWN_FAMILIES if f not in self.prefer and f not in rest]
         return tuple(self.prefer) + tuple(rest)
 
     def describe(self) -> str:

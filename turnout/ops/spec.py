@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -47,17 +48,32 @@ class OpSpec:
 
 
 class ImplUnavailable(Exception):
-    """Raised by a probe or loader to say why an implementation cannot run here."""
+    """Raised by a probe, a loader or a factory to say why an implementation cannot run here."""
+
+
+# Families, in the default order a GPU platform tries them. Every implementation id starts with one.
+KNOWN_FAMILIES = ("vendor", "triton", "reference")
+
+# An id is used inside the policy grammar, so it may not contain its separators (; = | , space).
+_ID_RE = re.compile(r"^[A-Za-z0-9_]+\.[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+def _describe_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 @dataclass(frozen=True)
 class Impl:
     """An implementation of an op.
 
-    ``id`` is ``<family>.<name>`` (``reference.torch``, ``triton.default``, ``vendor.cuda``).
-    ``target`` is ``"module:attr"``, imported only when probed (so a vendor module that fails to
-    import disables only the implementations that need it), or a callable. ``check(platform)`` may
-    add a capability test returning ``(ok, reason)``; it runs after the callable resolved.
+    ``id`` is ``<family>.<name>`` (``reference.torch``, ``triton.default``, ``vendor.cuda``) with
+    family one of KNOWN_FAMILIES. ``target`` is a callable or ``"module:attr"`` where ``attr`` may be
+    dotted (``"torch.ops:_C.rms_norm"``); the module is imported only when probed, so a vendor module
+    that fails to import disables only the implementations that name it. With ``factory=True`` the
+    target is a zero-argument function that returns the real callable (or raises ImplUnavailable):
+    the way to bind into lazy namespaces such as ``torch.ops.<lib>``, on which ``hasattr`` is always
+    true (seed 003). ``check(platform)`` may add a capability test returning ``(ok, reason)``; it runs
+    after the callable resolved.
     """
 
     op: str
@@ -67,15 +83,31 @@ class Impl:
     priority: int = 0
     check: Callable[[Any], tuple[bool, str]] | None = None
     source: str = "builtin"  # "builtin" or "plugin:<name>"
+    factory: bool = False
 
     def __post_init__(self):
-        fam, sep, name = self.id.partition(".")
-        if not sep or not fam or not name:
-            raise ValueError(f"implementation id {self.id!r} of op {self.op!r} must be '<family>.<name>'")
+        if not isinstance(self.id, str) or not _ID_RE.match(self.id):
+            raise ValueError(f"implementation id {self.id!r} of op {self.op!r} must be '<family>.<name>' "
+                             "(letters, digits, '_', '-', '.')")
+        if self.family not in KNOWN_FAMILIES:
+            raise ValueError(f"implementation {self.id!r} of op {self.op!r}: unknown family {self.family!r} "
+                             f"(families: {', '.join(KNOWN_FAMILIES)})")
+        if isinstance(self.platforms, str):  # a common slip: platforms="cuda"
+            object.__setattr__(self, "platforms", (self.platforms,))
+        if not callable(self.target):
+            module, sep, attr = str(self.target).partition(":")
+            if not sep or not module or not attr:
+                raise ValueError(f"implementation {self.id!r} of op {self.op!r}: target {self.target!r} "
+                                 "must be a callable or 'module:attr'")
 
     @property
     def family(self) -> str:
         return self.id.split(".", 1)[0]
+
+    @property
+    def module(self) -> str | None:
+        """The module a string target imports (None for a callable target)."""
+        return None if callable(self.target) else self.target.partition(":")[0]
 
     def serves(self, platform) -> bool:
         return ANY_PLATFORM in self.platforms or platform.name in self.platforms
@@ -83,18 +115,32 @@ class Impl:
     def resolve(self) -> Callable:
         """Import and return the real callable; raises ImplUnavailable with the reason."""
         if callable(self.target):
-            return self.target
-        module, _, attr = self.target.partition(":")
-        try:
-            mod = importlib.import_module(module)
-        except Exception as e:
-            raise ImplUnavailable(f"import {module} failed: {type(e).__name__}: {e}") from e
-        try:
-            fn = getattr(mod, attr)
-        except AttributeError as e:
-            raise ImplUnavailable(f"{module} has no attribute {attr!r}") from e
-        if not callable(fn):
-            raise ImplUnavailable(f"{module}.{attr} is {type(fn).__name__}, not callable")
+            fn = self.target
+        else:
+            module, _, attr = self.target.partition(":")
+            try:
+                obj = importlib.import_module(module)
+            except (Exception, SystemExit) as e:  # any failure of the module disables only this impl
+                raise ImplUnavailable(f"import {module} failed: {_describe_error(e)}") from e
+            where = module
+            for part in attr.split("."):
+                try:
+                    # Not hasattr: lazy namespaces (torch.ops.X) answer any name; only fetching the
+                    # attribute for real tells whether the op exists (and they raise RuntimeError too).
+                    obj = getattr(obj, part)
+                except Exception as e:
+                    raise ImplUnavailable(f"{where} has no attribute {part!r} ({_describe_error(e)})") from e
+                where = f"{where}.{part}"
+            fn = obj
+        if self.factory:
+            try:
+                fn = fn()
+            except ImplUnavailable:
+                raise
+            except Exception as e:
+                raise ImplUnavailable(f"loader {self.target!r} failed: {_describe_error(e)}") from e
+        if fn is None or not callable(fn):
+            raise ImplUnavailable(f"{self.target!r} resolved to {type(fn).__name__}, not a callable")
         return fn
 
     def probe(self, platform) -> tuple[bool, str, Callable | None]:
@@ -109,7 +155,7 @@ class Impl:
             try:
                 ok, why = self.check(platform)
             except Exception as e:
-                ok, why = False, f"capability check raised {type(e).__name__}: {e}"
+                ok, why = False, f"capability check raised {_describe_error(e)}"
             if not ok:
-                return False, why, None
+                return False, why or "capability check failed", None
         return True, "available", fn

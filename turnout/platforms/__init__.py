@@ -1,4 +1,4 @@
-from turnout.platforms.detect import detect_platform, probe_all
+from turnout.platforms.detect import ProbeResult, detect_platform, probe_all
 from turnout.platforms.platform import Platform
 
-__all__ = ["Platform", "detect_platform", "probe_all"]
+__all__ = ["Platform", "ProbeResult", "detect_platform", "probe_all"]

@@ -14,10 +14,11 @@ logger = logging.getLogger(__name__)
 
 PLATFORM_ENTRY_POINT_GROUP = "turnout.platforms"
 
-# Order matters: the first available wins. ROCm and MetaX builds also answer torch.cuda.
+# Order matters: the first available wins. ROCm, MetaX and Iluvatar builds also answer torch.cuda.
 BUILTIN_PROBES: dict[str, Callable[[], tuple[Platform | None, str]]] = {
     "rocm": rocm.probe,
     "maca": vendors.probe_maca,
+    "iluvatar": vendors.probe_iluvatar,
     "cuda": cuda.probe,
     "npu": vendors.probe_npu,
     "xpu": vendors.probe_xpu,
@@ -36,30 +37,38 @@ class ProbeResult:
 def _plugin_probes() -> list[tuple[str, Callable[[], tuple[Platform | None, str]] | None, str]]:
     """Entry points of group ``turnout.platforms``.
 
-    Each entry point loads to a Platform, or to a callable returning a Platform or
+    Each entry point loads to a Platform, or to a callable returning a Platform, None, or
     ``(Platform | None, reason)``. A plugin that fails to load is reported, never raised.
     """
     found = []
-    for ep in metadata.entry_points(group=PLATFORM_ENTRY_POINT_GROUP):
+    try:
+        eps = list(metadata.entry_points(group=PLATFORM_ENTRY_POINT_GROUP))
+    except Exception as e:  # a corrupt installed distribution must not stop detection
+        return [(f"<{PLATFORM_ENTRY_POINT_GROUP}>", None, f"cannot list entry points: {type(e).__name__}: {e}")]
+    for ep in eps:
         try:
             obj = ep.load()
-        except Exception as e:
-            found.append((ep.name, None, f"plugin failed to load: {type(e).__name__}: {e}"))
+        except (Exception, SystemExit) as e:
+            found.append((ep.name, None, f"plugin {ep.value} failed to load: {type(e).__name__}: {e}"))
             continue
 
-        def probe(obj=obj):
-            if isinstance(obj, Platform):
-                return obj, "provided by plugin"
-            res = obj()
-            if isinstance(res, Platform) or res is None:
-                return res, "provided by plugin" if res else "plugin probe returned None"
-            return res
+        def probe(obj=obj, ep=ep):
+            res = obj if isinstance(obj, Platform) else obj()
+            if isinstance(res, Platform):
+                return res, "provided by plugin"
+            if res is None:
+                return None, "plugin probe returned None"
+            if (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], str)
+                    and (res[0] is None or isinstance(res[0], Platform))):
+                return res
+            return None, f"plugin {ep.value} returned {type(res).__name__}, not a Platform or (Platform, reason)"
 
         found.append((ep.name, probe, ""))
     return found
 
 
 def probe_all() -> list[ProbeResult]:
+    """Every probe's answer, plugins first: what ``turnout ops`` shows and detection picks from."""
     results = []
     for name, probe, err in _plugin_probes():
         if probe is None:
@@ -67,22 +76,22 @@ def probe_all() -> list[ProbeResult]:
             continue
         try:
             plat, reason = probe()
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             plat, reason = None, f"plugin probe raised {type(e).__name__}: {e}"
         results.append(ProbeResult(f"plugin:{name}", plat, reason))
     for name, probe in BUILTIN_PROBES.items():
         try:
             plat, reason = probe()
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             plat, reason = None, f"probe raised {type(e).__name__}: {e}"
         results.append(ProbeResult(f"builtin:{name}", plat, reason))
     return results
 
 
-def detect_platform(device: str = "auto") -> Platform:
+def detect_platform(device: str = "auto", results: list[ProbeResult] | None = None) -> Platform:
     """The platform to run on. ``device`` is "auto", a platform name ("cuda", "cpu", "npu", ...)
-    or a torch device type."""
-    results = probe_all()
+    or a torch device type ("cuda:1" also works)."""
+    results = probe_all() if results is None else results
     if device in (None, "auto"):
         for r in results:
             if r.platform is not None:

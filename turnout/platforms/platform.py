@@ -16,6 +16,9 @@ class Platform:
     place tensors (MetaX exposes itself as ``cuda``). ``vendor`` names the ``vendor.<vendor>``
     implementations that are native here. ``triton_backend`` says whether compiled Triton kernels
     run on this device (on CPU only the interpreter runs them, which is for tests).
+    ``dist_backend`` is the torch.distributed backend (nccl, hccl, xccl, bkcl, gloo).
+    ``family_order`` and ``ops_policy`` are the platform's default op policy: the family order, and a
+    policy string (docs/ops.md grammar) applied under the engine config and ``TURNOUT_OPS``.
     """
 
     name: str
@@ -24,6 +27,7 @@ class Platform:
     vendor: str | None = None
     triton_backend: bool = False
     family_order: tuple[str, ...] = DEFAULT_FAMILY_ORDER
+    ops_policy: str = ""
     description: str = ""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 

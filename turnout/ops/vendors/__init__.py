@@ -1,15 +1,19 @@
-"""Optional native kernels per vendor. Each vendor subpackage registers lazily; a vendor library that
-fails to import disables only the implementations that need it."""
+"""Optional native kernels per vendor.
+
+Each vendor subpackage has a ``register(registry)`` that only declares implementations (string targets,
+nothing heavy imported). A vendor whose registration module fails to import or to register is reported
+in ``registry.plugins`` and disables only its own implementations; a vendor library that is missing at
+probe time makes only the implementations that need it unavailable, with the reason.
+"""
 
 import importlib
-import logging
-
-logger = logging.getLogger(__name__)
 
 VENDOR_PACKAGES = ("turnout.ops.vendors.cuda",)
 
 
 def register(registry) -> None:
     for name in VENDOR_PACKAGES:
-        mod = importlib.import_module(name)  # registration modules import nothing heavy
-        mod.register(registry)
+        def register_one(view, name=name):
+            importlib.import_module(name).register(view)
+
+        registry.run_registration(f"builtin:{name}", register_one)

@@ -1,5 +1,26 @@
-"""vendor.cuda: kernels that torch itself ships for NVIDIA GPUs."""
+"""vendor.cuda: native CUDA/HIP kernels, when a library that ships them is installed.
+
+Today that is vLLM's compiled extension (``vllm._C``), whose ops live in the lazy namespaces
+``torch.ops._C`` and ``torch.ops._C_cache_ops``. The loaders in ``vllm_ops`` fetch each op for real, so a
+wheel built without compiled ops (seed 003) shows up as "unavailable: ..." here, and the op falls back.
+This module only declares; nothing is imported until an implementation is probed.
+"""
+
+from turnout.ops.spec import Impl
+
+PLATFORMS = ("cuda", "rocm")
+
+# op -> loader in turnout.ops.vendors.cuda.vllm_ops returning the callable with turnout's signature
+LOADERS = {
+    "rms_norm": "load_rms_norm",
+    "fused_add_rms_norm": "load_fused_add_rms_norm",
+    "silu_and_mul": "load_silu_and_mul",
+    "reshape_and_cache": "load_reshape_and_cache",
+}
 
 
 def register(registry) -> None:
-    pass
+    for op, loader in LOADERS.items():
+        if op in registry.ops:
+            registry.add_impl(Impl(op=op, id="vendor.cuda", target=f"turnout.ops.vendors.cuda.vllm_ops:{loader}",
+                                   factory=True, platforms=PLATFORMS, priority=0))
