@@ -1,0 +1,284 @@
+"""Continuous batching with chunked prefill, prefix caching, n > 1 forks and preemption. No torch.
+
+One engine step::
+
+    out = scheduler.schedule()              # what to compute, block copies, forks, preemptions
+    ... run out.copy_on_write, then the forward over out.scheduled; sample one token for every
+        scheduled entry with sample=True, and one for every fork (child, from its parent's logits row)
+    scheduler.postprocess(out)              # KV bookkeeping: num_computed_tokens, prefix-cache blocks
+    seq.append_token(t)                     # for each sampled token (parents and fork children);
+                                            # before or after postprocess: the two do not interact
+    scheduler.finish(seq, status)           # for each sequence that stopped; AFTER postprocess, so the
+                                            # blocks computed in its last step reach the prefix cache
+
+Policy, per step, within ``max_num_batched_tokens`` tokens:
+
+1. running sequences with one token to compute (decodes), oldest first: never starved by prompts;
+2. running sequences with more (a chunked prefill in progress, or a recompute), oldest first, each
+   chunked to the remaining budget;
+3. waiting sequences, first come first served (a preempted one goes back to the FRONT), each chunked to
+   the remaining budget, while ``max_num_seqs`` and free blocks allow; the head of the queue that does
+   not fit stops admission (no overtaking). Nothing is admitted in a step that preempted.
+
+When a running sequence needs a block and none is free, the NEWEST running sequence (latest arrival,
+then highest seq_id; possibly the one asking) is preempted by recompute: its blocks are freed,
+``num_computed_tokens`` = 0, its generated tokens are kept (it re-prefills prompt + output, partly from
+the prefix cache), and it goes to the front of the waiting queue. If it was already scheduled in this
+step it is taken out of the step again. Then the allocation is retried.
+
+A request with ``n > 1`` is one sequence until the chunk that completes its prompt is scheduled; then
+``n - 1`` children are forked, sharing all its blocks. They are listed in ``SchedulerOutput.forks``: each
+samples its first token from its parent's logits row of this step. Each child is then an independent
+running sequence; the first write into the shared, partly filled last block copies it
+(``copy_on_write``), so a request of n samples makes n - 1 copies (the last writer keeps the original).
+
+Sequence ids: children get ids from ``new_seq_id()``; the engine should take its ids from the same
+method so that they never collide (``add`` rejects an id already in use).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from turnout.engine.sequence import Sequence, SequenceStatus
+from turnout.kv.block_manager import BlockManager
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # = seq.num_computed_tokens before the step
+    num_tokens: int  # compute seq.token_ids[start:start + num_tokens] this step
+    sample: bool  # the chunk reaches the end of the sequence: sample from its last token's logits
+
+    @property
+    def is_prefill(self) -> bool:
+        """False for a decode: the one token sampled last step (prompt done, not a recompute)."""
+        return self.num_tokens > 1 or self.start < self.seq.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # (index into `scheduled` of the parent, the new child): the child samples its first token from the
+    # parent's logits row; the child is already running and holds references on the parent's blocks
+    forks: list[tuple[int, Sequence]] = field(default_factory=list)
+    copy_on_write: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies, before the forward
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
+            raise ValueError(f"Scheduler: max_num_seqs ({max_num_seqs}), max_num_batched_tokens "
+                             f"({max_num_batched_tokens}) and max_model_len ({max_model_len}) must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self._next_seq_id = 0
+        self._live_ids: set[int] = set()
+        # counters
+        self.num_preemptions = 0
+        self.num_prefill_tokens_computed = 0  # tokens computed for sequences not yet decoding (prompt, recompute)
+        self.num_decode_tokens_computed = 0
+        self.num_prefix_cached_tokens = 0  # tokens found in the prefix cache at first schedules
+        self.num_steps = 0
+
+    # ---- ids and admission ----------------------------------------------------------------------
+    def new_seq_id(self) -> int:
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return seq_id
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (status WAITING, nothing computed). ValueError if it can never run: an id
+        in use, a prompt over max_model_len, n over max_num_seqs, or more blocks than exist for its
+        longest possible length (prompt + max_tokens, capped by max_model_len)."""
+        bm = self.block_manager
+        if seq.seq_id in self._live_ids:
+            raise ValueError(f"sequence id {seq.seq_id} is already in use (take ids from Scheduler.new_seq_id())")
+        if seq.status != SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"add: sequence {seq.seq_id} must be new (WAITING, nothing computed), got {seq!r}")
+        if seq.num_tokens > self.max_model_len:
+            raise ValueError(f"request {seq.request_id!r}: {seq.num_tokens} prompt tokens exceed max_model_len "
+                             f"({self.max_model_len})")
+        if seq.n > self.max_num_seqs:
+            raise ValueError(f"request {seq.request_id!r}: n = {seq.n} exceeds max_num_seqs ({self.max_num_seqs})")
+        max_tokens = seq.max_tokens
+        longest = self.max_model_len if max_tokens is None else min(seq.num_tokens + max_tokens, self.max_model_len)
+        need = bm.blocks_for(longest)
+        if need > bm.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id!r}: up to {longest} tokens ({seq.num_tokens} prompt"
+                f"{'' if max_tokens is None else f' + {max_tokens} max_tokens'}, max_model_len {self.max_model_len}) "
+                f"need {need} KV blocks of {bm.block_size} tokens, but the cache has only {bm.num_blocks}")
+        self._live_ids.add(seq.seq_id)
+        self._next_seq_id = max(self._next_seq_id, seq.seq_id + 1)
+        self.waiting.append(seq)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        entries: dict[int, ScheduledSeq] = {}  # seq_id -> entry, in scheduling order
+        copies: dict[int, list[tuple[int, int]]] = {}
+        preempted: list[Sequence] = []
+
+        def preempt_newest() -> Sequence:
+            nonlocal budget
+            victim = max(self.running, key=lambda s: (s.arrival_time, s.seq_id))
+            entry = entries.pop(victim.seq_id, None)
+            if entry is not None:  # scheduled earlier in this step: undo
+                budget += entry.num_tokens
+                copies.pop(victim.seq_id, None)
+            self._preempt(victim)
+            preempted.append(victim)
+            return victim
+
+        # 1 + 2: running sequences, decodes first
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted in this step
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_append(seq, num_new):
+                if len(self.running) == 1:
+                    raise RuntimeError(f"sequence {seq.seq_id} ({seq.num_tokens} tokens) cannot grow: the KV cache "
+                                       f"has {bm.num_blocks} blocks of {bm.block_size} tokens, all free to it")
+                if preempt_newest() is seq:
+                    break
+            else:
+                start = seq.num_computed_tokens
+                copies[seq.seq_id] = bm.append_slots(seq, num_new)
+                entries[seq.seq_id] = ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens)
+                budget -= num_new
+
+        # 3: waiting sequences, FCFS
+        if not preempted:
+            seats = sum(s.n for s in self.running)  # pending forks hold their seats
+            while self.waiting and budget > 0:
+                seq = self.waiting[0]
+                if seats + seq.n > self.max_num_seqs:
+                    break
+                cached = bm.match_prefix(seq)
+                num_cached = len(cached) * bm.block_size
+                num_new = min(seq.num_tokens - num_cached, budget)
+                if not bm.can_allocate(seq, num_new, cached):
+                    break
+                self.waiting.popleft()
+                bm.allocate(seq, num_new, cached)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = num_cached  # a recompute's hits are its own old blocks
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                seats += seq.n
+                self.num_prefix_cached_tokens += num_cached
+                entries[seq.seq_id] = ScheduledSeq(seq, num_cached, num_new, num_cached + num_new == seq.num_tokens)
+                budget -= num_new
+
+        out = SchedulerOutput(scheduled=list(entries.values()), preempted=preempted)
+        for pairs in copies.values():
+            out.copy_on_write.extend(pairs)
+        for i, entry in enumerate(out.scheduled):
+            out.num_batched_tokens += entry.num_tokens
+            if entry.is_prefill:
+                self.num_prefill_tokens_computed += entry.num_tokens
+            else:
+                self.num_decode_tokens_computed += entry.num_tokens
+            if entry.sample and entry.seq.n > 1:
+                out.forks.extend((i, child) for child in self._fork(entry))
+        self.num_steps += 1
+        return out
+
+    def _fork(self, entry: ScheduledSeq) -> list[Sequence]:
+        parent = entry.seq
+        children = []
+        for index in range(parent.index + 1, parent.index + parent.n):
+            child = parent.fork(self.new_seq_id(), index)
+            # the child starts where the parent will be after this step; the shared blocks get their KV
+            # from this step's forward
+            child.num_computed_tokens = entry.start + entry.num_tokens
+            self.block_manager.fork(parent, child)
+            self._live_ids.add(child.seq_id)
+            self.running.append(child)
+            children.append(child)
+        parent.n = 1
+        return children
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, output: SchedulerOutput) -> None:
+        """After the forward: the scheduled tokens' KV is in the cache. Advances num_computed_tokens and
+        registers newly full blocks in the prefix cache. Sequences finished or aborted since
+        ``schedule`` are skipped."""
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = entry.start + entry.num_tokens
+            self.block_manager.register_computed_blocks(seq)
+
+    # ---- endings --------------------------------------------------------------------------------
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """The engine ends a sequence (stop or length): frees its blocks. Idempotent."""
+        if not status.is_finished:
+            raise ValueError(f"finish: {status} is not a finished status")
+        if seq.status.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        self._live_ids.discard(seq.seq_id)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """End every sequence of the request, waiting or running; frees their blocks. Returns them."""
+        seqs = [s for s in itertools.chain(self.running, self.waiting) if s.request_id == request_id]
+        for seq in seqs:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seqs
+
+    # ---- state ----------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_preemptions": self.num_preemptions,
+            "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
+            "num_decode_tokens_computed": self.num_decode_tokens_computed,
+            "num_prefix_cached_tokens": self.num_prefix_cached_tokens,
+            **{f"kv_{k}": v for k, v in self.block_manager.stats().items()},
+        }

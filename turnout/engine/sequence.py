@@ -1,0 +1,143 @@
+"""One sequence being generated: its tokens, its KV blocks, where it stands. Plain Python, no torch.
+
+A request with ``n`` samples starts as ONE sequence (``index`` 0, ``n`` = samples still to fork). Its
+prompt is prefilled once; when the chunk that completes the prompt is scheduled, the scheduler forks
+``n - 1`` children that share the parent's KV blocks (see ``Scheduler.schedule``). From then on every
+sample is an independent ``Sequence`` with the same ``request_id`` and its own ``index``.
+
+Not slotted on purpose: the engine may hang its own per-sample state (detokenizer, logprobs) on it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / phi: spreads the per-sample seeds of one request apart
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's ``finish_reason`` string: "stop" | "length" | "abort", None while unfinished."""
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED})
+_FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    """Token state and KV bookkeeping of one sample.
+
+    Invariants the scheduler keeps: ``num_cached_tokens <= num_computed_tokens <= num_tokens``;
+    ``block_table`` covers at least the first ``num_computed_tokens`` tokens; the tokens still to compute
+    are ``token_ids[num_computed_tokens:]`` (the prompt's tail while prefilling, one sampled token while
+    decoding, prompt + output after a preemption).
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Any,
+        seed: int,
+        n: int = 1,
+        arrival_time: float = 0.0,
+        index: int = 0,
+    ):
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt must have at least one token")
+        if n < 1:
+            raise ValueError(f"request {request_id!r}: n must be >= 1, got {n}")
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params  # opaque to the scheduler side except an optional ``max_tokens`` attribute
+        self.seed = seed
+        self.n = n  # samples still to fork at the end of prefill, counting this one (1 = none)
+        self.arrival_time = arrival_time
+        self.index = index  # which of the request's n samples
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prefix-cache hits at the first schedule
+        self.block_table: list[int] = []
+        self.num_preemptions = 0
+
+    # ---- tokens ---------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """True once the whole prompt has been computed (it may need recomputing after a preemption)."""
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def max_tokens(self) -> int | None:
+        return getattr(self.params, "max_tokens", None)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    # ---- samples --------------------------------------------------------------------------------
+    def fork(self, new_seq_id: int, index: int) -> Sequence:
+        """A sibling sample: same tokens, same computed KV, a copy of the block table (the caller must
+        also take a reference on every block: ``BlockManager.fork``), a seed derived from this one."""
+        # Built field by field so that state the engine hung on the parent is not shared by accident.
+        child = Sequence(new_seq_id, self.request_id, self.prompt_token_ids, self.params,
+                         (self.seed + index * _GOLDEN) % 2**63, 1, self.arrival_time, index)
+        child.token_ids = list(self.token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_table = list(self.block_table)
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.index}, {self.status.name}, "
+            f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table})"
+        )

@@ -1,0 +1,261 @@
+"""Paged KV blocks: reference counts, copy-on-write, and the prefix cache. Plain Python, no torch.
+
+A sequence's KV lives in ``seq.block_table`` (block ids; token ``i`` sits in block ``i // block_size`` at
+offset ``i % block_size``). Blocks are shared by reference count: between the samples of one request
+after a fork, and between requests through the prefix cache.
+
+Prefix cache. A FULL block whose tokens are all computed is registered under a hash chain: ``hash((hash
+of the previous block or None, tuple of the block's token ids))``, so one hash names the whole prefix up
+to the block's end. A hit is checked against the stored parent hash and token ids too, so a hash
+collision cannot give a wrong hit. When its last reference goes, a registered block keeps its content
+and stays findable; it is only given away (evicted) when no plain free block is left, least recently
+freed first. A sequence's blocks are freed tail first, so that the tail of a chain is evicted before its
+head, which more requests share.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from turnout.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None  # set once the block is full and computed (prefix caching only)
+        self.parent_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+    def forget(self) -> None:
+        self.hash = None
+        self.parent_hash = None
+        self.token_ids = ()
+
+
+def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_plain: deque[int] = deque(range(num_blocks))  # free, no cached content: used first
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # free, registered: oldest freed first
+        self._hash_to_block: dict[int, int] = {}
+        # stats
+        self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache (at first schedules)
+        self.num_hit_tokens = 0  # of those, found
+        self.num_evictions = 0  # cached blocks given away for new content
+        self.num_copy_on_write = 0
+
+    # ---- state ----------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference (including cached ones that may still be hit)."""
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._free_cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by at least one sequence."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- raw block moves ------------------------------------------------------------------------
+    def _take_free(self) -> int:
+        if self._free_plain:
+            block_id = self._free_plain.popleft()
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)
+            block = self.blocks[block_id]
+            if self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.forget()
+            self.num_evictions += 1
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:  # a cached free block comes back to life
+            del self._free_cached[block_id]
+        block.ref_count += 1
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self._free_cached[block_id] = None
+            else:
+                self._free_plain.append(block_id)
+
+    # ---- first schedule -------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of cached blocks holding ``seq``'s leading full blocks. The block that holds the last token
+        never counts, so at least one token is computed (its logits are needed). No state changes."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, tokens = self.block_size, seq.token_ids
+        hits: list[int] = []
+        parent = None
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk)
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.parent_hash != parent or block.token_ids != chunk:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def _blocks_to_allocate(self, seq: Sequence, num_new_tokens: int | None, cached: list[int]) -> tuple[int, int]:
+        num_cached_tokens = len(cached) * self.block_size
+        if num_new_tokens is None:
+            num_new_tokens = seq.num_tokens - num_cached_tokens
+        new = self.blocks_for(num_cached_tokens + num_new_tokens) - len(cached)
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # these leave the free pool too
+        return new, revived
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None, cached: list[int] | None = None) -> bool:
+        """Whether ``allocate(seq, num_new_tokens, cached)`` would succeed."""
+        if cached is None:
+            cached = self.match_prefix(seq)
+        new, revived = self._blocks_to_allocate(seq, num_new_tokens, cached)
+        return new + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None, cached: list[int] | None = None) -> int:
+        """First schedule of ``seq`` (empty block table): take references on the cached prefix blocks
+        (``cached``: from ``match_prefix``; looked up when None), set ``seq.num_computed_tokens`` to
+        the hit length, and allocate blocks for ``num_new_tokens`` more tokens (None: the rest of the
+        sequence). Returns the hit length in tokens (the caller decides whether it is the sequence's
+        ``num_cached_tokens``: not for a recompute). Check ``can_allocate`` first."""
+        assert not seq.block_table, f"allocate: sequence {seq.seq_id} already holds blocks"
+        if cached is None:
+            cached = self.match_prefix(seq)
+        new, revived = self._blocks_to_allocate(seq, num_new_tokens, cached)
+        if new + revived > self.num_free_blocks:
+            raise RuntimeError(f"allocate: sequence {seq.seq_id} needs {new + revived} free blocks, "
+                               f"{self.num_free_blocks} are free")
+        for block_id in cached:
+            self._ref(block_id)
+        seq.block_table = list(cached) + [self._take_free() for _ in range(new)]
+        seq.num_computed_tokens = len(cached) * self.block_size
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += seq.num_tokens
+            self.num_hit_tokens += seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    # ---- growth ---------------------------------------------------------------------------------
+    def _needs_copy(self, seq: Sequence) -> bool:
+        """The block the next token goes into is shared (siblings after a fork): copy before writing."""
+        i = seq.num_computed_tokens // self.block_size
+        return i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1
+
+    def _blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
+        grow = max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        return grow + self._needs_copy(seq)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        return self._blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+        """Make room for tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` of a
+        sequence that already holds blocks. Returns the copy-on-write block copies ``(src, dst)`` to run
+        before the forward (at most one: the shared, partly filled last block). Check ``can_append``."""
+        need = self._blocks_to_append(seq, num_new_tokens)
+        if need > self.num_free_blocks:
+            raise RuntimeError(f"append_slots: sequence {seq.seq_id} needs {need} free blocks, "
+                               f"{self.num_free_blocks} are free")
+        copies = []
+        if self._needs_copy(seq):
+            i = seq.num_computed_tokens // self.block_size
+            src = seq.block_table[i]
+            dst = self._take_free()
+            self._unref(src)  # still referenced by a sibling: never freed here
+            seq.block_table[i] = dst
+            copies.append((src, dst))
+            self.num_copy_on_write += 1
+        while len(seq.block_table) < self.blocks_for(seq.num_computed_tokens + num_new_tokens):
+            seq.block_table.append(self._take_free())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (its block table is already a copy)."""
+        assert child.block_table == parent.block_table
+        for block_id in child.block_table:
+            self._ref(block_id)
+
+    def free(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):  # tail first: evicted before the shared head
+            self._unref(block_id)
+        seq.block_table = []
+
+    # ---- prefix cache ---------------------------------------------------------------------------
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Register the full blocks of ``seq`` whose tokens are all computed and that are not yet
+        registered. Registered blocks form a prefix of the block table, so this walks back from the
+        last full computed block to the first registered one (usually zero or one step)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, table = self.block_size, seq.block_table
+        num_full = min(seq.num_computed_tokens // bs, len(table))
+        first = num_full
+        while first > 0 and self.blocks[table[first - 1]].hash is None:
+            first -= 1
+        parent = self.blocks[table[first - 1]].hash if first > 0 else None
+        for i in range(first, num_full):
+            block = self.blocks[table[i]]
+            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block.parent_hash, block.token_ids = parent, chunk
+            block.hash = parent = block_hash(parent, chunk)
+            # an identical block computed by another sequence in the same step keeps the entry
+            self._hash_to_block.setdefault(block.hash, block.block_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached content of free blocks. False (nothing done) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block_id in list(self._free_cached):
+            self.blocks[block_id].forget()
+            self._free_plain.append(block_id)
+        self._free_cached.clear()
+        self._hash_to_block.clear()
+        return True
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.num_free_blocks,
+            "num_cached_free_blocks": self.num_cached_free_blocks,
+            "usage": self.usage,
+            "prefix_queried_tokens": self.num_queried_tokens,
+            "prefix_hit_tokens": self.num_hit_tokens,
+            "prefix_hit_rate": self.hit_rate,
+            "evictions": self.num_evictions,
+            "copy_on_write": self.num_copy_on_write,
+        }
