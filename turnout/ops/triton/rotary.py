@@ -1,0 +1,61 @@
+"""Rotary position embedding, in place on q and k (neox or gptj pairs, partial rotary, strided views)."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, h0, num_heads, cos, sin, offs_i,
+                  IS_NEOX: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask = (offs_h < num_heads)[:, None] & (offs_i < HALF)[None, :]
+    if IS_NEOX:
+        i1 = offs_i
+        i2 = offs_i + HALF
+    else:
+        i1 = offs_i * 2
+        i2 = offs_i * 2 + 1
+    p1 = base + offs_h[:, None] * stride_h + i1[None, :]
+    p2 = base + offs_h[:, None] * stride_h + i2[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p2, mask=mask, other=0.0)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    tl.store(p1, (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype), mask=mask)
+    tl.store(p2, (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(POS, Q, K, CS, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, num_q_heads,
+                   num_k_heads, IS_NEOX: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BLOCK_H
+    pos = tl.load(POS + t).to(tl.int64)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    cmask = offs_i < HALF
+    cos = tl.load(CS + pos * stride_cs + offs_i, mask=cmask, other=0.0).to(tl.float32)
+    sin = tl.load(CS + pos * stride_cs + HALF + offs_i, mask=cmask, other=0.0).to(tl.float32)
+    if h0 < num_q_heads:
+        _rotate_heads(Q + t * stride_qt, stride_qh, h0, num_q_heads, cos, sin, offs_i, IS_NEOX, HALF, BLOCK_H,
+                      BLOCK_HALF)
+    if h0 < num_k_heads:
+        _rotate_heads(K + t * stride_kt, stride_kh, h0, num_k_heads, cos, sin, offs_i, IS_NEOX, HALF, BLOCK_H,
+                      BLOCK_HALF)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return
+    rot_dim = cos_sin_cache.shape[-1]
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("rotary_embedding needs a unit stride on the head dimension")
+    hq, hk = query.shape[1], key.shape[1]
+    block_h = min(triton.next_power_of_2(max(hq, hk)), 16)
+    grid = (num_tokens, triton.cdiv(max(hq, hk), block_h))
+    _rotary_kernel[grid](positions, query, key, cos_sin_cache, query.stride(0), query.stride(1), key.stride(0),
+                         key.stride(1), cos_sin_cache.stride(0), hq, hk, IS_NEOX=bool(is_neox), HALF=rot_dim // 2,
+                         BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(rot_dim // 2), num_warps=4)
