@@ -1,0 +1,216 @@
+"""Paged attention: causal attention of new tokens over a paged KV cache (decode and prefill with prefix).
+
+One program owns a tile of query tokens of one sequence and *all* the query heads of one KV head (GQA),
+so each KV tile it loads serves every head that shares it. Rows of the program's [BLOCK_M, D] query tile
+are (token, head) pairs: row r is token r // G_TILE, head r % G_TILE of the group. The KV loop visits
+BLOCK_N tokens (several cache blocks) per iteration, gathering them through the block table, with an
+online softmax in float32 (base 2) and ``tl.dot`` for QK^T and PV.
+
+Decode with few sequences and long contexts leaves most of the GPU idle with one program per
+(sequence, KV head), so it splits the context across programs (flash-decoding): each split writes a
+normalised partial output and its log-sum-exp, and a second kernel merges them. Whether to split is
+chosen from host ints (batch size, KV heads, max_seq_len, the SM count), so there is no device sync.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Decode only (max_query_len <= _SPLIT_MAX_Q) is split; each split gets at least this many KV tokens.
+_SPLIT_MAX_Q = 1
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 64
+# Aim for this many programs per SM before splitting stops paying.
+_PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _paged_attn_kernel(
+        Q, K, V, O, BT, SEQ_LENS, QSL, WS_O, WS_LSE,
+        qk_scale, chunk, num_splits,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_ot, stride_oh, stride_bt, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
+        G: tl.constexpr, G_TILE: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, HEAD_D: tl.constexpr,
+        D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    q_tile = tl.program_id(0)
+    b = tl.program_id(1)
+    pid2 = tl.program_id(2)
+    split = pid2 % num_splits
+    kvh = pid2 // num_splits // NUM_HEAD_TILES
+    head_tile = pid2 // num_splits % NUM_HEAD_TILES
+
+    q_start = tl.load(QSL + b)
+    q_len = tl.load(QSL + b + 1) - q_start
+    if q_tile * BLOCK_Q < q_len:
+        kv_len = tl.load(SEQ_LENS + b)
+        rows = tl.arange(0, BLOCK_M)
+        tok = q_tile * BLOCK_Q + rows // G_TILE  # index among this sequence's new tokens
+        hh = head_tile * G_TILE + rows % G_TILE  # head within the GQA group
+        row_ok = (rows // G_TILE < BLOCK_Q) & (tok < q_len) & (hh < G)
+        head = kvh * G + hh
+        qpos = kv_len - q_len + tok  # absolute position: attends to keys 0..qpos
+        q_row = (q_start + tok).to(tl.int64)
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < HEAD_D
+        q = tl.load(Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+        # Keys this tile needs: up to the last valid token's position (causal), within this split.
+        kv_hi = kv_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+        kv_lo = 0
+        if SPLIT:
+            kv_lo = split * chunk
+            kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        bt_row = BT + b.to(tl.int64) * stride_bt
+        k_head = K + kvh.to(tl.int64) * stride_kh
+        v_head = V + kvh.to(tl.int64) * stride_vh
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < kv_hi
+            page = tl.load(bt_row + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
+            slot = offs_n % BS
+            k = tl.load(k_head + (page * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None],
+                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
+            s = tl.where(n_ok[None, :] & (offs_n[None, :] <= qpos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at 0
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            m_i = m_new
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        mask = row_ok[:, None] & d_ok[None, :]
+        if SPLIT:
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(WS_O + q_row[:, None] * stride_wt + head[:, None] * stride_wh + split * stride_ws
+                     + offs_d[None, :], out, mask=mask)
+            tl.store(WS_LSE + q_row * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+        else:
+            tl.store(O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_reduce_kernel(WS_O, WS_LSE, O, num_splits, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
+                         stride_ot, stride_oh, S_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_D
+    lse = tl.load(WS_LSE + t * stride_lt + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # empty splits have lse -inf: weight 0
+    o = tl.load(WS_O + t * stride_wt + h * stride_wh + offs_s[:, None] * stride_ws + offs_d[None, :],
+                mask=(s_ok & (w > 0))[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_type: str, index: int | None) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index or 0).multi_processor_count
+    return 4
+
+
+def choose_num_splits(batch: int, kv_programs: int, max_query_len: int, max_seq_len: int, num_sms: int) -> int:
+    """How many programs share one sequence's context (1: no split). Host ints only."""
+    if max_query_len > _SPLIT_MAX_Q:
+        return 1
+    programs = batch * kv_programs
+    target = _PROGRAMS_PER_SM * num_sms
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+
+
+def _tiles(max_query_len: int, group: int, head_dim: int) -> dict:
+    """Tile sizes: decode uses one token per program (rows = the GQA group, padded to 16 for tl.dot);
+    prefill packs BLOCK_M // group tokens per program."""
+    g_pad = triton.next_power_of_2(group)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    block_n = 64 if d_pad <= 128 else 32
+    if max_query_len <= 1:
+        g_tile = min(g_pad, 64)
+        return dict(G_TILE=g_tile, BLOCK_Q=1, BLOCK_M=max(16, g_tile), BLOCK_N=block_n, D_PAD=d_pad,
+                    num_warps=4, num_stages=2)
+    block_m = 128 if d_pad <= 64 else 64
+    g_tile = min(g_pad, block_m)
+    return dict(G_TILE=g_tile, BLOCK_Q=block_m // g_tile, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad,
+                num_warps=4, num_stages=2)
+
+
+def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         max_query_len: int, max_seq_len: int, scale: float,
+                         num_splits: int | None = None) -> torch.Tensor:
+    """paged_attention with the split count exposed (None: choose; 1: never split)."""
+    num_tokens, hq, head_dim = query.shape
+    out = torch.empty((num_tokens, hq, head_dim), dtype=query.dtype, device=query.device)
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0 or max_query_len <= 0:
+        return out
+    if query.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention needs a unit stride on the head dimension")
+    block_size, hk = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hk
+    cfg = _tiles(max_query_len, group, head_dim)
+    num_head_tiles = triton.cdiv(group, cfg["G_TILE"])
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, hk * num_head_tiles, max_query_len, max_seq_len,
+                                       _num_sms(query.device.type, query.device.index))
+    split = num_splits > 1
+    chunk = max_seq_len
+    if split:
+        # Whole KV tiles per split, and no split left empty at max_seq_len.
+        chunk = triton.cdiv(triton.cdiv(max_seq_len, num_splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        num_splits = triton.cdiv(max_seq_len, chunk)
+        split = num_splits > 1
+    if split:
+        ws_o = torch.empty((num_tokens, hq, num_splits, head_dim), dtype=torch.float32, device=query.device)
+        ws_lse = torch.empty((num_tokens, hq, num_splits), dtype=torch.float32, device=query.device)
+    else:
+        num_splits = 1
+        ws_o, ws_lse = out.view(num_tokens, hq, 1, head_dim), out  # unused
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(max_query_len, cfg["BLOCK_Q"]), batch, hk * num_head_tiles * num_splits)
+    _paged_attn_kernel[grid](
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, ws_o, ws_lse,
+        scale * LOG2E, chunk, num_splits,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        block_tables.stride(0), ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), ws_lse.stride(1),
+        G=group, G_TILE=cfg["G_TILE"], NUM_HEAD_TILES=num_head_tiles, BLOCK_Q=cfg["BLOCK_Q"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
+        SPLIT=split, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split:
+        _split_reduce_kernel[(num_tokens, hq)](
+            ws_o, ws_lse, out, num_splits, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
+            ws_lse.stride(1), out.stride(0), out.stride(1), S_PAD=triton.next_power_of_2(num_splits),
+            HEAD_D=head_dim, D_PAD=cfg["D_PAD"], num_warps=4)
+    return out
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    scale: float) -> torch.Tensor:
+    return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                                max_seq_len, scale)
