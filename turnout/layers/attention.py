@@ -1,0 +1,60 @@
+"""Paged attention layer and the per-step metadata it reads.
+
+The metadata is built once per step by the model runner and passed down as an argument (never a
+global). The layer writes this step's keys/values into the paged cache, then attends over it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged KV cache and which cached tokens they see.
+
+    ``T`` new tokens of ``B`` sequences are packed back to back (prefill chunks and decodes mixed).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64, block * block_size + offset per new token; -1 skips
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, cached + new tokens per sequence
+    query_start_loc: torch.Tensor  # [B + 1] int32, each sequence's slice of the T new tokens
+    max_query_len: int  # host ints: kernels size their grids without a device sync
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+class Attention(nn.Module):
+    """Causal GQA attention over a paged KV cache: ``ops.reshape_and_cache`` then ``ops.paged_attention``.
+
+    No parameters: the projections live in the model's attention block.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.ops = ops
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] (may be strided views of a fused qkv) -> [T, Hq, D]."""
+        k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hk, D] each
+        # Kernels index these with dense strides; copying here is cheaper than a wrong answer.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
+                                        self.scale)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

@@ -1,0 +1,59 @@
+"""Token embedding and the LM head (optionally tied to the embedding)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from turnout.layers.linear import default_weight_loader
+
+
+class VocabEmbedding(nn.Module):
+    """input_ids [T] int64 -> [T, H]. ``weight`` [V, H]."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class LMHead(nn.Module):
+    """hidden [N, H] -> logits [N, V] float32.
+
+    ``tie_to``: share the embedding's weight (``tie_word_embeddings``). The shared parameter is then
+    registered once, under the embedding's name, so a checkpoint's redundant ``lm_head.weight`` is
+    an ignorable extra, not a second parameter to fill.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 tie_to: VocabEmbedding | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tied = tie_to is not None
+        if tie_to is not None:
+            if tuple(tie_to.weight.shape) != (num_embeddings, embedding_dim):
+                raise ValueError(f"cannot tie an LM head of {(num_embeddings, embedding_dim)} to an "
+                                 f"embedding of {tuple(tie_to.weight.shape)}")
+            self.weight = tie_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+            self.weight.weight_loader = default_weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_embeddings), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight, self.bias).float()
+
+    def extra_repr(self) -> str:
+        return f"{self.embedding_dim} -> {self.num_embeddings}, tied={self.tied}"

@@ -1,0 +1,84 @@
+"""Rotary position embedding: a float32 cos/sin cache and ``ops.rotary_embedding``.
+
+Inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` for every scaled rope type
+(llama3, linear, dynamic, yarn, longrope, ...), so scaling is computed exactly as HF computes it;
+only the unscaled default is written out here (it is one line, and HF keeps it per model).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings of an HF config, old (``rope_scaling`` + ``rope_theta``) or new
+    (``rope_parameters``) style, as one dict with ``rope_type`` and ``rope_theta``."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    for key, value in (getattr(config, "rope_scaling", None) or {}).items():
+        params.setdefault(key, value)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if "partial_rotary_factor" not in params and getattr(config, "partial_rotary_factor", None) is not None:
+        params["partial_rotary_factor"] = config.partial_rotary_factor
+    return params
+
+
+def inv_freq_and_scaling(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rot_dim / 2] float32, attention scaling of cos/sin) for ``config``."""
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        base = float(params["rope_theta"])
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; transformers knows "
+                         f"{sorted(ROPE_INIT_FUNCTIONS)} and 'default'")
+    if rope_type == "dynamic":
+        logger.warning("rope_type 'dynamic': the cache uses the base frequencies; HF rescales them "
+                       "only past max_position_embeddings, which the engine does not exceed")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_position: int, scaling: float = 1.0) -> torch.Tensor:
+    """[max_position, rot_dim] float32: cos in the first rot_dim/2 columns, sin in the rest.
+    Products in float32, as HF computes them, so positions match HF bit for bit before cos/sin."""
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())  # [P, rot/2]
+    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """In-place RoPE on q [T, Hq, D] and k [T, Hk, D] (strided views of a fused qkv are fine)."""
+
+    def __init__(self, head_dim: int, cos_sin_cache: torch.Tensor, is_neox: bool, ops):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = cos_sin_cache.shape[-1]
+        if self.rotary_dim > head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rotary dim {self.rotary_dim} does not fit head_dim {head_dim}")
+        self.is_neox = is_neox
+        self.ops = ops
+        # Float32 whatever the model dtype; not in the state dict (it is derived, not learned).
+        self.register_buffer("cos_sin_cache", cos_sin_cache.to(torch.get_default_device(), torch.float32),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+                f"max_position={self.cos_sin_cache.shape[0]}, neox={self.is_neox}")
+
+
+def get_rope(config, head_dim: int, max_position: int, ops, is_neox: bool = True) -> RotaryEmbedding:
+    """The rotary embedding an HF ``config`` describes (theta, scaling, partial_rotary_factor)."""
+    inv_freq, scaling = inv_freq_and_scaling(config, head_dim)
+    return RotaryEmbedding(head_dim, build_cos_sin_cache(inv_freq, max_position, scaling), is_neox, ops)

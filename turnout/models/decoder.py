@@ -1,0 +1,176 @@
+"""The pre-norm decoder shared by Llama, Mistral, Qwen2, Qwen3 and the MoE families.
+
+A model family is a subclass that sets a few class attributes:
+
+- ``qkv_bias`` / ``o_bias``: ``None`` reads ``config.attention_bias``; a bool forces it (Qwen2: q/k/v
+  biased, o_proj not).
+- ``qk_norm``: RMSNorm over each head of q and k before rope (Qwen3, GLM-4 MoE with ``use_qk_norm``).
+- ``rope_is_neox``: rotate halves (True) or interleaved pairs.
+- ``make_mlp(config, layer_idx, ops)``: the feed-forward block of layer ``layer_idx``, a module
+  ``forward(hidden [T, H]) -> [T, H]`` whose parameters sit under ``model.layers.{i}.mlp``. The
+  default is the dense SwiGLU ``DenseMLP``; an MoE family returns its sparse block for the layers
+  that have experts (and ``DenseMLP(config, ops, intermediate_size=...)`` for dense ones, e.g.
+  GLM-4 MoE's ``first_k_dense_replace``). Its weight mapping extends ``packed_modules_mapping`` /
+  ``weight_name_rules`` / ``ignored_weights`` on the class (see ``turnout.loader.weight_map``).
+- ``make_attention(config, layer_idx, ops, rotary)``: likewise for the attention block.
+
+Parameter names follow HF's (``model.layers.{i}.self_attn.qkv_proj`` packs ``q_proj``/``k_proj``/
+``v_proj``; ``mlp.gate_up_proj`` packs ``gate_proj``/``up_proj``), so checkpoints load through the map.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from turnout.layers.activation import SiluAndMul
+from turnout.layers.attention import Attention, AttentionMetadata
+from turnout.layers.embedding import LMHead, VocabEmbedding
+from turnout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from turnout.layers.norm import RMSNorm
+from turnout.layers.rotary import RotaryEmbedding, get_rope
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into ``gate_up_proj``."""
+
+    def __init__(self, config, ops, intermediate_size: int | None = None, bias: bool | None = None):
+        super().__init__()
+        inter = intermediate_size or config.intermediate_size
+        bias = getattr(config, "mlp_bias", False) if bias is None else bias
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul(ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
+
+
+class DecoderAttention(nn.Module):
+    """qkv projection, optional per-head q/k norm, rope, paged attention, output projection."""
+
+    def __init__(self, config, ops, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                                          bias=qkv_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        self.qk_norm = qk_norm
+        self.rotary_emb = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ops)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
+        t = hidden.shape[0]
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D], strided view of the fused qkv
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, config, ops):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        if residual is None:  # first layer: the embedding output is the residual stream
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layers, the final norm. Built by ``DecoderForCausalLM``, which supplies the hooks."""
+
+    def __init__(self, config, ops, family: "DecoderForCausalLM"):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotary = get_rope(config, head_dim_of(config), config.max_position_embeddings, ops,
+                          is_neox=family.rope_is_neox)  # one cos/sin cache shared by every layer
+        self.layers = nn.ModuleList(
+            DecoderLayer(family.make_attention(config, i, ops, rotary), family.make_mlp(config, i, ops), config, ops)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """``cls(config, ops)`` under the target device and default dtype; see the module docstring."""
+
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    qk_norm: bool = False
+    rope_is_neox: bool = True
+    packed_modules_mapping = {
+        "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+        "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+    }
+    weight_name_rules: list = []
+    ignored_weights: tuple[str, ...] = ()
+
+    def __init__(self, config, ops):
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        self.model = DecoderModel(config, ops, self)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
+                              tie_to=self.model.embed_tokens if tied else None)
+        if tied:  # some tied checkpoints still store the head; it is the embedding, so drop it
+            self.ignored_weights = (*type(self).ignored_weights, r"^lm_head\.weight$")
+
+    def make_attention(self, config, layer_idx: int, ops, rotary: RotaryEmbedding) -> nn.Module:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderAttention(config, ops, rotary,
+                                qkv_bias=bias if self.qkv_bias is None else self.qkv_bias,
+                                o_bias=bias if self.o_bias is None else self.o_bias,
+                                qk_norm=self.qk_norm)
+
+    def make_mlp(self, config, layer_idx: int, ops) -> nn.Module:
+        return DenseMLP(config, ops)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> hidden [T, H] (final-normed)."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from turnout.loader.weight_map import load_weights
+
+        return load_weights(self, weights)
