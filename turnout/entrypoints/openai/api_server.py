@@ -1,0 +1,253 @@
+"""The FastAPI app: routes, auth, body limits, error mapping, model loading, health.
+
+``build_app(state)`` makes an app around a ``ServerState``; the engine is built in a worker thread
+after the app starts, so /health answers 503 while the model loads instead of refusing connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import turnout
+from turnout.engine.async_engine import AsyncLLMEngine
+from turnout.entrypoints.openai import protocol as P
+from turnout.entrypoints.openai.errors import APIError, error_response
+from turnout.entrypoints.openai.metrics import ServerMetrics
+from turnout.entrypoints.openai.serving_chat import create_chat_completion
+from turnout.entrypoints.openai.serving_completions import create_completion
+
+logger = logging.getLogger("turnout.serve")
+
+
+@dataclass(eq=False)
+class ServerState:
+    engine_factory: Callable[[], object] | None = None  # () -> LLMEngine, run in a worker thread
+    engine: object | None = None  # an already-built LLMEngine (tests)
+    served_model_names: list[str] | None = None
+    api_key: str | None = None
+    max_queue: int = 1024
+    max_num_seqs: int = 256
+    max_request_bytes: int = 4 << 20
+    drain_timeout: float = 30.0
+    on_ready: Callable[["ServerState"], None] | None = None
+    on_load_failed: Callable[[BaseException], None] | None = None
+    # filled in at start-up
+    phase: str = "loading"  # loading | ready | failed | draining
+    async_engine: AsyncLLMEngine | None = None
+    max_model_len: int = 0
+    vocab_size: int = 0
+    ops_report: list = field(default_factory=list)
+    metrics: ServerMetrics | None = None
+
+    def __post_init__(self):
+        self.metrics = ServerMetrics(self)
+        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="turnout-tokenizer")  # one: HF tokenizers
+        self._decode_cache: dict[int, str] = {}
+
+    # ---------------------------------------------------------------- engine life
+    async def load(self) -> None:
+        try:
+            engine = self.engine if self.engine is not None else await asyncio.to_thread(self.engine_factory)
+            self.engine = engine
+            self.tokenizer = engine.tokenizer
+            self.max_model_len = int(engine.max_model_len)
+            self.vocab_size = len(engine.tokenizer)
+            if not self.served_model_names:
+                self.served_model_names = [str(engine.model_name)]
+            ops = getattr(engine, "ops", None)
+            self.ops_report = list(ops.report()) if ops is not None and hasattr(ops, "report") else []
+            self.async_engine = AsyncLLMEngine(engine, max_queue=self.max_queue, max_num_seqs=self.max_num_seqs,
+                                               observer=self.metrics).start()
+        except BaseException as e:  # noqa: BLE001
+            self.phase = "failed"
+            logger.error("model loading failed: %s: %s", type(e).__name__, e,
+                         exc_info=logger.isEnabledFor(logging.DEBUG))
+            if self.on_load_failed:
+                self.on_load_failed(e)
+            return
+        self.phase = "ready"
+        if self.on_ready:
+            self.on_ready(self)
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        if self.async_engine is not None:
+            await self.async_engine.shutdown(drain_timeout)
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+
+    def start_draining(self) -> None:
+        self.phase = "draining"
+        if self.async_engine is not None:
+            self.async_engine.start_draining()
+
+    @property
+    def healthy(self) -> bool:
+        return self.phase == "ready" and self.async_engine is not None and self.async_engine.is_running
+
+    def require_ready(self) -> None:
+        if self.phase == "loading":
+            raise APIError(503, "The model is still loading.", type="service_unavailable", code="loading",
+                           headers={"Retry-After": "5"})
+        if self.phase == "draining":
+            raise APIError(503, "The server is shutting down.", type="service_unavailable", code="shutting_down",
+                           headers={"Retry-After": "5", "Connection": "close"})
+        if not self.healthy:
+            raise APIError(503, "The engine is not available.", type="service_unavailable", code="engine_dead")
+
+    def check_model(self, name: str | None) -> str:
+        names = self.served_model_names or []
+        if name is None or not names:
+            return names[0] if names else (name or "")
+        if name not in names:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves {', '.join(names)}.",
+                           param="model", code="model_not_found")
+        return name
+
+    # ---------------------------------------------------------------- tokenizer (off the event loop)
+    async def _tok(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, lambda: fn(*args, **kwargs))
+
+    async def tokenize(self, text: str) -> list[int]:
+        return list(await self._tok(self.tokenizer.encode, text))
+
+    async def detokenize(self, ids: list[int]) -> str:
+        return await self._tok(self.tokenizer.decode, ids)
+
+    async def chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            ids = await self._tok(self.engine.apply_chat_template, messages,
+                                  add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - a template rejecting the conversation is the client's mistake
+            raise APIError(400, f"messages: {e}", param="messages", code="invalid_messages") from None
+        return list(ids)
+
+    def decode_token(self, tid: int) -> str:
+        s = self._decode_cache.get(tid)
+        if s is None:
+            s = self._decode_cache[tid] = self.tokenizer.decode([tid])
+        return s
+
+
+class _Guard:
+    """Pure ASGI middleware: body size limit (413), API key on /v1/* (401). Buffers the body so that the
+    limit holds for chunked uploads too, then replays it; later receives (disconnects) pass through."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = self.state
+        if state.api_key and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            expected = state.api_key.encode()
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)):
+                return await error_response(401, "Invalid or missing API key (Authorization: Bearer <key>).",
+                                            code="invalid_api_key",
+                                            headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = state.max_request_bytes
+        too_big = error_response(413, f"The request body exceeds {limit} bytes.", code="request_too_large",
+                                 headers={"Connection": "close"})
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await too_big(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return await too_big(scope, receive, send)
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        load = asyncio.ensure_future(state.load())
+        try:
+            yield
+        finally:
+            load.cancel()
+            await state.shutdown(0.0)
+
+    app = FastAPI(title="turnout", version=turnout.__version__, lifespan=lifespan)
+    app.state.turnout = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc):
+        return error_response(400, str(exc.errors()[:1]), code="invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(exc.status_code, msg, code=code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc):
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", type="internal_server_error",
+                              code="internal_error")
+
+    @app.get("/health")
+    async def health():
+        if state.healthy:
+            return Response(status_code=200)
+        return JSONResponse({"status": state.phase if state.phase != "ready" else "dead"}, status_code=503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": turnout.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return P.ModelList(data=[P.ModelCard(id=n, root=n, max_model_len=state.max_model_len or None)
+                                 for n in state.served_model_names or []]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(state, request)
+
+    app.add_middleware(_Guard, state=state)
+    return app

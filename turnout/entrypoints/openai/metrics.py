@@ -1,0 +1,90 @@
+"""Prometheus metrics of one server: engine gauges and counters read at scrape time, latency histograms
+fed by the engine thread. One CollectorRegistry per app, so several apps can live in one process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from turnout.engine.async_engine import EngineObserver
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0)
+
+
+class _EngineCollector:
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        st = self.state
+        eng = st.async_engine
+        s = eng.stats if eng is not None else None
+        g = GaugeMetricFamily
+
+        def gauge(name, doc, value):
+            m = g(name, doc)
+            m.add_metric([], value)
+            return m
+
+        def counter(name, doc, value):
+            m = CounterMetricFamily(name, doc)
+            m.add_metric([], value)
+            return m
+
+        yield gauge("turnout_num_requests_running", "Requests being generated (engine running set).",
+                    s.num_running if s else 0)
+        yield gauge("turnout_num_requests_waiting", "Requests admitted and waiting to be scheduled.",
+                    s.num_waiting if s else 0)
+        yield gauge("turnout_num_requests_in_flight", "Requests the server holds (admitted, not yet finished).",
+                    eng.num_in_flight if eng else 0)
+        yield gauge("turnout_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                    s.kv_cache_usage if s else 0.0)
+        yield counter("turnout_num_preemptions", "Preemptions since start.", s.num_preemptions_total if s else 0)
+        yield counter("turnout_prompt_tokens", "Prompt tokens processed since start.",
+                      s.prompt_tokens_total if s else 0)
+        yield counter("turnout_generation_tokens", "Tokens generated since start.",
+                      s.generation_tokens_total if s else 0)
+        yield gauge("turnout_engine_healthy", "1 when the engine is loaded and alive.", 1 if st.healthy else 0)
+        ops = g("turnout_op_implementation", "Implementation each op resolved to (value 1).",
+                labels=["op", "impl"])
+        for row in st.ops_report:
+            ops.add_metric([str(row.get("op")), str(row.get("chosen") or "none")], 1)
+        yield ops
+
+
+class ServerMetrics(EngineObserver):
+    def __init__(self, state):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("turnout_time_to_first_token_seconds", "Time to first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("turnout_inter_token_latency_seconds", "Time between output tokens.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("turnout_e2e_request_latency_seconds", "Arrival to finish, finished requests.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.finished = Counter("turnout_request_finished", "Requests finished, by reason.",
+                                ["finished_reason"], registry=r)
+        self.rejected = Counter("turnout_request_rejected", "Requests refused before admission, by reason.",
+                                ["reason"], registry=r)
+        r.register(_EngineCollector(state))
+
+    # EngineObserver (engine thread; prometheus_client is thread-safe)
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_inter_token(self, itl_s: float, num_tokens: int) -> None:
+        for _ in range(min(num_tokens, 64)):
+            self.itl.observe(itl_s)
+
+    def on_finished(self, e2e_s: float, finish_reason: str) -> None:
+        self.finished.labels(finished_reason=finish_reason or "unknown").inc()
+        if finish_reason != "abort":
+            self.e2e.observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

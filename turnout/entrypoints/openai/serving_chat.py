@@ -1,0 +1,118 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from turnout.entrypoints.openai import protocol as P
+from turnout.entrypoints.openai.errors import bad_request
+from turnout.entrypoints.openai.serving import (SSE_HEADERS, Prompt, _admit, _common_checks, _Delta, _engine_error,
+                                                _Exchange, _fit_context, _holdback, _new_id, _now,
+                                                _sampling_params, _usage, chat_logprobs, parse, sse)
+
+logger = logging.getLogger(__name__)
+
+
+def _messages(req: P.ChatCompletionRequest) -> list[dict]:
+    if not req.messages:
+        raise bad_request("messages: must contain at least one message", param="messages", code="empty_messages")
+    out = []
+    for m in req.messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            d["content"] = "\n".join(part.text for part in m.content)
+        elif m.content is None:
+            d["content"] = ""
+        out.append(d)
+    return out
+
+
+def _checks(req: P.ChatCompletionRequest) -> None:
+    _common_checks(req)
+    if req.tools and req.tool_choice not in (None, "none"):
+        raise bad_request("tools (function calling) is not supported", param="tools", code="unsupported")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format: only {\"type\": \"text\"} is supported", param="response_format",
+                          code="unsupported")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
+
+
+async def create_chat_completion(state, request: Request):
+    req = parse(P.ChatCompletionRequest, await request.body())
+    model_name = state.check_model(req.model)
+    _checks(req)
+    messages = _messages(req)
+    state.require_ready()
+    max_tokens, mt_name = req.max_tokens, "max_tokens"
+    if req.max_completion_tokens is not None:
+        max_tokens, mt_name = req.max_completion_tokens, "max_completion_tokens"
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = _sampling_params(req, max_tokens=max_tokens, logprobs=k,
+                              rename={"max_tokens": mt_name, "logprobs": "top_logprobs"})
+    ids = await state.chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False)
+    params = _fit_context(params, len(ids), state.max_model_len, mt_name, "messages")
+    base = _new_id("chatcmpl")
+    streams = await _admit(state, [(base, ids, params)])
+    ex = _Exchange(state, request, streams)
+    if req.stream:
+        return StreamingResponse(_stream(state, req, ex, Prompt(ids), params, base, model_name),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": base})
+    (out,) = await ex.final_outputs()
+    choices = [P.ChatCompletionChoice(
+        index=o.index, message=P.ChatResponseMessage(content=o.text),
+        logprobs=chat_logprobs(state, o.token_ids, o.logprobs, 0, k) if k is not None else None,
+        finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
+    resp = P.ChatCompletionResponse(id=base, model=model_name, choices=choices,
+                                    usage=_usage(len(ids), sum(len(o.token_ids) for o in out.outputs)))
+    return JSONResponse(resp.model_dump(), headers={"X-Request-Id": base})
+
+
+def _chunk(base, created, model_name, choices, usage=None) -> dict:
+    d = P.ChatCompletionChunk(id=base, created=created, model=model_name, choices=choices, usage=usage).model_dump()
+    for c in d["choices"]:
+        c["delta"] = {key: v for key, v in c["delta"].items() if v is not None}
+    return d
+
+
+async def _stream(state, req, ex: _Exchange, prompt: Prompt, params, base, model_name):
+    k = params.logprobs
+    created = _now()
+    deltas = {i: _Delta(_holdback(params)) for i in range(params.n)}
+    completion_tokens = {}
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    try:
+        yield sse(_chunk(base, created, model_name, [
+            P.ChatCompletionStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
+            for i in range(params.n)]))
+        async for _, out in ex.merged():
+            choices = []
+            for o in out.outputs:
+                d = deltas.setdefault(o.index, _Delta(_holdback(params)))
+                if d.done:
+                    continue
+                text, ids, first = d.step(o)
+                completion_tokens[o.index] = len(o.token_ids)
+                lp = chat_logprobs(state, ids, o.logprobs, first, k) if k is not None and ids else None
+                if not text and lp is None and not d.done:
+                    continue
+                choices.append(P.ChatCompletionStreamChoice(
+                    index=o.index, delta=P.DeltaMessage(content=text or None), logprobs=lp,
+                    finish_reason=o.finish_reason if d.done else None,
+                    stop_reason=o.stop_reason if d.done else None))
+            if choices:
+                yield sse(_chunk(base, created, model_name, choices))
+        if ex.disconnected:
+            return
+        if include_usage:
+            yield sse(_chunk(base, created, model_name, [],
+                             usage=_usage(len(prompt.ids), sum(completion_tokens.values()))))
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, never hang
+        yield sse(_engine_error(e).body())
+        yield "data: [DONE]\n\n"
+    finally:
+        ex.close()

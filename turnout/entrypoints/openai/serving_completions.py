@@ -1,0 +1,139 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from turnout.entrypoints.openai import protocol as P
+from turnout.entrypoints.openai.errors import bad_request
+from turnout.entrypoints.openai.serving import (MAX_CHOICES_PER_REQUEST, MAX_PROMPTS_PER_REQUEST, SSE_HEADERS,
+                                                Prompt, _admit, _common_checks, _Delta, _engine_error,
+                                                _Exchange, _fit_context, _holdback, _new_id, _now,
+                                                _sampling_params, _usage, completion_logprobs, parse, sse)
+
+logger = logging.getLogger(__name__)
+
+
+async def _prompts(state, req: P.CompletionRequest) -> list[Prompt]:
+    p = req.prompt
+    if isinstance(p, str):
+        raw = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        raw = [p]
+    else:
+        raw = list(p)
+    if not raw:
+        raise bad_request("prompt: must not be empty", param="prompt", code="empty_prompt")
+    if len(raw) > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(raw)}",
+                          param="prompt")
+    vocab = state.vocab_size
+    prompts = []
+    for r in raw:
+        if isinstance(r, str):
+            if not r:
+                raise bad_request("prompt: must not be empty", param="prompt", code="empty_prompt")
+            ids = await state.tokenize(r)
+            if not ids:
+                raise bad_request("prompt: tokenizes to nothing", param="prompt", code="empty_prompt")
+            prompts.append(Prompt(ids, r))
+        else:
+            if not r:
+                raise bad_request("prompt: a token-id prompt must not be empty", param="prompt", code="empty_prompt")
+            bad = next((t for t in r if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+            prompts.append(Prompt(list(r)))
+    return prompts
+
+
+async def create_completion(state, request: Request):
+    req = parse(P.CompletionRequest, await request.body())
+    model_name = state.check_model(req.model)
+    _common_checks(req)
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix", code="unsupported")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request("best_of different from n is not supported", param="best_of", code="unsupported")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo",
+                          code="unsupported")
+    state.require_ready()
+    params = _sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, rename={})
+    prompts = await _prompts(state, req)
+    if len(prompts) * params.n > MAX_CHOICES_PER_REQUEST:
+        raise bad_request(f"n: {len(prompts)} prompts x n={params.n} exceeds {MAX_CHOICES_PER_REQUEST} choices",
+                          param="n")
+    per_prompt = [_fit_context(params, len(p.ids), state.max_model_len, "max_tokens", "prompt") for p in prompts]
+    base = _new_id("cmpl")
+    for p in prompts:
+        if req.echo and p.text is None:
+            p.text = await state.detokenize(p.ids)
+    streams = await _admit(state, [(f"{base}-{i}", p.ids, sp) for i, (p, sp) in enumerate(zip(prompts, per_prompt))])
+    ex = _Exchange(state, request, streams)
+    if req.stream:
+        return StreamingResponse(_stream(state, req, ex, prompts, params, base, model_name),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": base})
+    finals = await ex.final_outputs()
+    n, k = params.n, req.logprobs
+    choices, completion_tokens = [], 0
+    for i, out in enumerate(finals):
+        for o in out.outputs:
+            completion_tokens += len(o.token_ids)
+            lp = None
+            if k is not None:
+                lp, _ = completion_logprobs(state, o.token_ids, o.logprobs, 0, k, 0)
+            text = (prompts[i].text + o.text) if req.echo else o.text
+            choices.append(P.CompletionChoice(index=i * n + o.index, text=text, logprobs=lp,
+                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+    resp = P.CompletionResponse(id=base, model=model_name, choices=choices,
+                                usage=_usage(sum(len(p.ids) for p in prompts), completion_tokens))
+    return JSONResponse(resp.model_dump(), headers={"X-Request-Id": base})
+
+
+async def _stream(state, req, ex: _Exchange, prompts, params, base, model_name):
+    n, k = params.n, req.logprobs
+    created = _now()
+    deltas = {}
+    offsets = {}
+    completion_tokens = {}
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    try:
+        async for i, out in ex.merged():
+            choices = []
+            for o in out.outputs:
+                ci = i * n + o.index
+                d = deltas.get(ci)
+                if d is None:
+                    d = deltas[ci] = _Delta(_holdback(params), prompts[i].text if req.echo else "")
+                    offsets[ci] = 0
+                if d.done:
+                    continue
+                text, ids, first = d.step(o)
+                completion_tokens[ci] = len(o.token_ids)
+                lp = None
+                if k is not None and ids:
+                    lp, offsets[ci] = completion_logprobs(state, ids, o.logprobs, first, k, offsets[ci])
+                if not text and lp is None and not d.done:
+                    continue
+                choices.append(P.CompletionChoice(index=ci, text=text, logprobs=lp,
+                                                  finish_reason=o.finish_reason if d.done else None,
+                                                  stop_reason=o.stop_reason if d.done else None))
+            if choices:
+                yield sse(P.CompletionStreamChunk(id=base, created=created, model=model_name,
+                                                  choices=choices).model_dump())
+        if ex.disconnected:
+            return
+        if include_usage:
+            usage = _usage(sum(len(p.ids) for p in prompts), sum(completion_tokens.values()))
+            yield sse(P.CompletionStreamChunk(id=base, created=created, model=model_name, choices=[],
+                                              usage=usage).model_dump())
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, never hang
+        yield sse(_engine_error(e).body())
+        yield "data: [DONE]\n\n"
+    finally:
+        ex.close()
