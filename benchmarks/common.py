@@ -3,44 +3,12 @@
 from __future__ import annotations
 
 import json
-import platform as _platform
-import time
+import os
+import sys
 
-import torch
-
-
-def _timeit(fn, device, iters: int) -> float:
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
-
-
-def copy_bandwidth(device, nbytes: int = 1 << 28, iters: int = 10) -> float:
-    """Achieved GB/s of a large copy (bytes read + written)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    dt = _timeit(lambda: dst.copy_(src), device, iters)
-    return 2 * nbytes / dt / 1e9
-
-
-def gemm_tflops(device, dtype, n: int = 4096, iters: int = 10) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    dt = _timeit(lambda: a @ b, device, iters)
-    return 2 * n**3 / dt / 1e12
-
-
-def machine() -> dict:
-    info = {"host": _platform.node(), "cpu_threads": torch.get_num_threads(), "torch": torch.__version__}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+# The measuring code lives in the package (turnout bench uses it too); re-exported here.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from turnout.utils.roofline import copy_bandwidth, gemm_tflops, machine, measure_ceilings  # noqa: E402,F401
 
 
 def report(title: str, rows: list[dict], cols: list[str], extra: dict) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 
 import torch
 
+from turnout.engine.cuda_graphs import maybe_capture
 from turnout.layers.attention import AttentionMetadata
 from turnout.layers.sampler import SamplingBatch, sample
 
@@ -33,6 +35,8 @@ class ModelRunner:
         self.hf_config = loaded.hf_config
         self.dtype = loaded.dtype
         self.device = next(self.model.parameters()).device
+        self.max_model_len = config.max_model_len or loaded.max_model_len
+        self.pin_memory = self.device.type == "cuda"  # host tensors pinned: their H2D copies are async
         self.block_size = config.block_size
         self.vocab_size = self.hf_config.vocab_size
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(self.hf_config)
@@ -43,6 +47,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_bytes / 2**30, self.dtype)
+        self.graphs = maybe_capture(self)  # None: every step runs eagerly
 
     @property
     def block_bytes(self) -> int:
@@ -100,9 +105,26 @@ class ModelRunner:
         return budget
 
     # ---- one step --------------------------------------------------------------------------
+    def _host(self, x, dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, pin_memory=self.pin_memory)
+
+    def _h2d(self, x, dtype) -> torch.Tensor:
+        return self._host(x, dtype).to(self.device, non_blocking=True)
+
     def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Host lists -> one copy each to the device. Returns ids, positions, metadata and, per
-        scheduled entry that samples, the index of its last token in the flattened batch."""
+        """prepare_host, then one async copy each to the device."""
+        ids, pos, meta, sample_idx = self.prepare_host(scheduled)
+        return (*self._to_device(ids, pos, meta), sample_idx)
+
+    def _to_device(self, ids, pos, meta):
+        dev = self.device
+        meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(dev, non_blocking=True) for f in
+                                            ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")})
+        return ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), meta
+
+    def prepare_host(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Host lists -> (pinned) CPU tensors. Returns ids, positions, metadata and, per scheduled entry
+        that samples, the index of its last token in the flattened batch."""
         bs = self.block_size
         ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
         max_blocks = 1
@@ -118,11 +140,7 @@ class ModelRunner:
             if s.sample:
                 sample_idx.append(qsl[-1] - 1)
         tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
-        dev = self.device
-
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
-
+        t = self._host
         meta = AttentionMetadata(slot_mapping=t(slots, torch.long), block_tables=t(tables, torch.int32),
                                  seq_lens=t(lens, torch.int32), query_start_loc=t(qsl, torch.int32),
                                  max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(lens))),
@@ -131,11 +149,8 @@ class ModelRunner:
 
     def build_sampling(self, lanes, rows: list[int], eos_ids: set[int], want_logprobs: int) -> SamplingBatch:
         """lanes: the sequences drawing a token, with rows[i] the logits row of lane i."""
-        dev = self.device
         ps = [seq.params for seq in lanes]
-
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+        t = self._h2d
 
         b = SamplingBatch(rows=t(rows, torch.long), temperature=t([p.temperature for p in ps], torch.float32),
                           top_k=t([p.top_k if p.top_k > 0 else 0 for p in ps], torch.int32),
@@ -166,14 +181,19 @@ class ModelRunner:
     def execute(self, scheduled, lanes, lane_rows, eos_ids, want_logprobs: int = -1, copy_on_write=()):
         """Run one step. lane_rows[i] indexes the scheduled entries that sample (their order)."""
         if copy_on_write:
-            mapping = torch.tensor(list(copy_on_write), dtype=torch.long, device=self.device)
+            mapping = self._h2d(list(copy_on_write), torch.long)
             self.ops.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
-        input_ids, positions, meta, sample_idx = self.prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not lanes:
-            return None
-        idx = torch.tensor(sample_idx, dtype=torch.long).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        input_ids, positions, meta, sample_idx = self.prepare_host(scheduled)
+        if lanes and self.graphs is not None and self.graphs.can_run(len(sample_idx), meta):
+            logits = self.graphs.run(input_ids, positions, meta)  # pure decode: replay a CUDA graph
+        else:
+            input_ids, positions, meta = self._to_device(input_ids, positions, meta)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if not lanes:
+                return None
+            if len(sample_idx) != hidden.shape[0]:  # sample_idx is increasing: equal lengths = every row
+                hidden = hidden.index_select(0, self._h2d(sample_idx, torch.long))
+            logits = self.model.compute_logits(hidden)
         batch = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs)
         return sample(self.ops, logits, batch)
 
