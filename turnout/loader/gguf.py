@@ -45,12 +45,46 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(d, gguf_file=name)
 
 
-def dequantize_tensor(tensor) -> torch.Tensor:
-    """A ``gguf.ReaderTensor`` -> float32 torch tensor in PyTorch (row-major, [out, in]) order."""
-    from gguf.quants import dequantize
+def read_tensors(path: str | Path, fast: bool = True) -> tuple[str, Iterator[tuple[str, int, np.ndarray]]]:
+    """(GGUF architecture, lazy iterator of (tensor name, ggml type, raw bytes or values)).
 
-    arr = dequantize(tensor.data, tensor.tensor_type)
-    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    ``fast``: transformers' header reader (``integrations.gguf.GgufHeader``, which skips the
+    tokenizer arrays and takes milliseconds) when this transformers has it; else, or with
+    ``fast=False``, ``gguf.GGUFReader`` (which parses every metadata field: seconds on a 49k vocabulary).
+    """
+    if fast:
+        try:
+            from transformers.integrations.gguf import GgufHeader
+        except ImportError:
+            GgufHeader = None
+        if GgufHeader is not None:
+            header = GgufHeader.from_file(str(path))
+            blob = np.memmap(str(path), mode="r", dtype=np.uint8)
+
+            def raw():
+                from gguf.quants import quant_shape_to_byte_shape
+
+                for info in header.tensors:
+                    start = header.data_start + info.offset
+                    data = blob[start: start + info.nbytes]
+                    yield info.name, info.ggml_type, data.reshape(quant_shape_to_byte_shape(info.shape,
+                                                                                            info.ggml_type))
+
+            return header.architecture, raw()
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    reader = GGUFReader(str(path))
+    return read_field(reader, "general.architecture")[0], ((t.name, int(t.tensor_type), t.data)
+                                                           for t in reader.tensors)
+
+
+def dequantize(data: np.ndarray, ggml_type: int) -> torch.Tensor:
+    """Raw GGUF data (bytes shaped [..., row bytes], or float values) -> float32 [..., cols] tensor."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    arr = np.ascontiguousarray(gguf_dequantize(data, GGMLQuantizationType(ggml_type)), dtype=np.float32)
     if not arr.flags.writeable:  # plain F32 tensors come back as views of the read-only mmap
         arr = arr.copy()
     return torch.from_numpy(arr)
@@ -68,25 +102,22 @@ def _hf_name_map(hf_config, processor) -> dict[str, str]:
 
 def iter_gguf_weights(path: str | Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of a GGUF file, dequantised one at a time."""
-    from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    reader = GGUFReader(str(path))
-    arch = read_field(reader, "general.architecture")[0]
+    arch, tensors = read_tensors(path)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict())
     name_map = _hf_name_map(hf_config, processor)
     parsed = {"tensors": {}}  # where processors that merge tensors (MoE experts) accumulate them
-    for t in reader.tensors:
-        result = processor.process(weights=dequantize_tensor(t).numpy(), name=t.name,
+    for name, ggml_type, data in tensors:
+        result = processor.process(weights=dequantize(data, ggml_type).numpy(), name=name,
                                    tensor_key_mapping=name_map, parsed_parameters=parsed)
         if result.name is None:  # consumed into ``parsed``
             continue
         if result.name not in name_map:
             if result.name in HARMLESS_UNMAPPED:
-                logger.info("GGUF tensor %s has no HF counterpart; skipped (as transformers does)", t.name)
+                logger.info("GGUF tensor %s has no HF counterpart; skipped (as transformers does)", name)
                 continue
-            raise ValueError(f"unexpected GGUF tensor {t.name!r} ({t.tensor_type.name}, shape "
-                             f"{tuple(t.data.shape)}): no HF parameter maps to it for architecture {arch!r}")
-        weights = result.weights
-        yield name_map[result.name], torch.from_numpy(np.ascontiguousarray(weights))
+            raise ValueError(f"unexpected GGUF tensor {name!r} (ggml type {ggml_type}, shape "
+                             f"{tuple(data.shape)}): no HF parameter maps to it for architecture {arch!r}")
+        yield name_map[result.name], torch.from_numpy(np.ascontiguousarray(result.weights))
     yield from parsed["tensors"].items()
