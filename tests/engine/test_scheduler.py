@@ -128,7 +128,8 @@ def make_requests(num, seed=0, shared_prefix=0):
 
 
 def test_no_torch_import():
-    code = ("import sys; import turnout.engine.scheduler, turnout.engine.sequence, turnout.kv.block_manager; "
+    code = ("import sys; import turnout.engine.scheduler, turnout.engine.sequence, turnout.kv.block_manager, "
+            "turnout.engine.detokenizer; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
