@@ -69,9 +69,10 @@ def _write_check(out, platform, policy, rows, summary, as_json) -> None:
 
 
 def main(as_json: bool = False, check: bool = False, device: str = "auto", ops: list[str] | None = None,
-         out=sys.stdout, registry: Registry | None = None) -> int:
+         out=None, registry: Registry | None = None) -> int:
     from turnout.platforms import detect_platform, probe_all
 
+    out = out or sys.stdout
     probes = probe_all()
     platform = detect_platform(device, results=probes)
     registry = registry or default_registry()

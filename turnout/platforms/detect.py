@@ -98,9 +98,11 @@ def detect_platform(device: str = "auto", results: list[ProbeResult] | None = No
                 return r.platform
     else:
         want = str(device).split(":")[0]
-        for r in results:
-            if r.platform is not None and want in (r.platform.name, r.platform.device_type):
-                return r.platform
+        found = [r.platform for r in results if r.platform is not None]
+        # A platform name first ("cpu" is the cpu platform, not a plugin's chip that keeps tensors on
+        # the CPU), then a torch device type ("cuda" on a ROCm or MetaX machine).
+        for plat in [p for p in found if p.name == want] + [p for p in found if p.device_type == want]:
+            return plat
         tried = "; ".join(f"{r.source}: {r.reason}" for r in results)
         raise RuntimeError(f"device={device!r} requested but no such platform is available ({tried})")
     raise RuntimeError("no platform available")  # cpu always is; unreachable
