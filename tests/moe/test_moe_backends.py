@@ -212,3 +212,54 @@ def test_gpu_no_host_sync_and_graph_capture(impl):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), want.flip(0).float(), atol=2e-2, rtol=2e-2)
+
+
+# ---- vendor.cuda (torch._grouped_mm): registered by the vendor table once it wins on the GPU ----------
+
+def _grouped_mm_runs_here() -> bool:
+    try:
+        torch._grouped_mm(torch.zeros(16, 8, device=DEVICE), torch.zeros(2, 8, 8, device=DEVICE),
+                          offs=torch.tensor([8, 16], dtype=torch.int32, device=DEVICE))
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm") or not _grouped_mm_runs_here(),
+                    reason="torch._grouped_mm does not run on this device")
+@pytest.mark.parametrize("dtype", CPU_DTYPES + ([torch.bfloat16] if PLATFORM.is_gpu else []), ids=str)
+def test_grouped_mm_backend_matches_reference(dtype):
+    """Called directly (its probe only accepts sm90+), on the op's own sample inputs."""
+    from turnout.ops.conformance import run_case
+    from turnout.ops.reference.moe import MOE_EXPERTS
+    from turnout.ops.vendors.cuda.moe import moe_experts as grouped
+
+    gen = torch.Generator().manual_seed(0)
+    name = str(dtype).replace("torch.", "")
+    for case in MOE_EXPERTS.sample_inputs(DEVICE, dtype, gen):
+        ok, err, msg = run_case(MOE_EXPERTS, grouped, case, name)
+        assert ok, f"{case.label} {name}: {msg}"
+    given_w, given_ids, _, _ = _adversarial_routing(gen, 11, 8, 3)
+    x = torch.randn(11, 32, generator=gen).to(DEVICE, dtype)
+    w13, w2 = _weights(gen, 8, 32, 32, dtype)
+    torch.testing.assert_close(grouped(x, w13, w2, given_w, given_ids).float(),
+                               reference_moe(x, w13, w2, given_w, given_ids).float(),
+                               atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+def test_grouped_mm_probe_degrades_with_a_reason(monkeypatch):
+    from turnout.ops import Registry
+    from turnout.ops.reference.moe import MOE_EXPERTS
+    from turnout.ops.spec import ImplUnavailable
+    from turnout.ops.vendors.cuda import moe as vendor_moe
+
+    reg = Registry()
+    reg.add_op(MOE_EXPERTS)
+    vendor_moe.register(reg)
+    res = resolve_op("moe_experts", reg, PLATFORM, Policy())
+    cand = next(c for c in res.candidates if c.impl == "vendor.cuda")
+    if PLATFORM.name != "cuda":
+        assert not cand.available and "cuda" in cand.reason
+    monkeypatch.delattr(torch, "_grouped_mm", raising=False)  # a torch that renamed it (seed 002)
+    with pytest.raises(ImplUnavailable, match="_grouped_mm"):
+        vendor_moe.load()
