@@ -1,11 +1,14 @@
-"""THE DISPATCH LAYER. Models and layers call kernels only through an OpTable from ``resolve``."""
+"""THE DISPATCH LAYER. Models and layers call kernels only through an OpTable from ``resolve``.
 
-from turnout.ops.dispatch import (OpFailedError, OpTable, OpUnavailableError, Resolution, log_table,
+See docs/ops.md: adding an op, an implementation or a vendor plugin; the TURNOUT_OPS grammar; fallback.
+"""
+
+from turnout.ops.dispatch import (Candidate, OpFailedError, OpTable, OpUnavailableError, Resolution, log_table,
                                   resolve)
 from turnout.ops.policy import Policy, PolicyError
-from turnout.ops.registry import Registry, build_registry, default_registry
-from turnout.ops.spec import Impl, ImplUnavailable, OpSpec, SampleCase
+from turnout.ops.registry import PluginReport, Registry, build_registry, default_registry
+from turnout.ops.spec import KNOWN_FAMILIES, Impl, ImplUnavailable, OpSpec, SampleCase
 
-__all__ = ["Impl", "ImplUnavailable", "OpFailedError", "OpSpec", "OpTable", "OpUnavailableError", "Policy",
-           "PolicyError", "Registry", "Resolution", "SampleCase", "build_registry", "default_registry",
-           "log_table", "resolve"]
+__all__ = ["KNOWN_FAMILIES", "Candidate", "Impl", "ImplUnavailable", "OpFailedError", "OpSpec", "OpTable",
+           "OpUnavailableError", "PluginReport", "Policy", "PolicyError", "Registry", "Resolution", "SampleCase",
+           "build_registry", "default_registry", "log_table", "resolve"]

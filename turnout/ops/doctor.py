@@ -37,9 +37,11 @@ def summarize(results) -> list[dict]:
     summary: dict[tuple, dict] = {}
     for r in results:
         s = summary.setdefault((r.op, r.impl), {"op": r.op, "impl": r.impl, "passed": True, "cases": 0,
-                                                "failed": 0, "max_error": 0.0, "failures": []})
+                                                "failed": 0, "max_error": 0.0, "max_error_by_dtype": {},
+                                                "failures": []})
         s["cases"] += 1
         s["max_error"] = max(s["max_error"], r.max_error)
+        s["max_error_by_dtype"][r.dtype] = max(s["max_error_by_dtype"].get(r.dtype, 0.0), r.max_error)
         if not r.ok:
             s["failed"] += 1
             s["passed"] = False
@@ -56,8 +58,9 @@ def _write_check(out, platform, policy, rows, summary, as_json) -> None:
     tested = {(s["op"], s["impl"]) for s in summary}
     for s in summary:
         verdict = "PASS" if s["passed"] else f"FAIL ({s['failed']}/{s['cases']})"
+        by_dtype = ", ".join(f"{d} {e:.3g}" for d, e in s["max_error_by_dtype"].items())
         out.write(f"  {s['op']:<20} {s['impl']:<18} {verdict:<14} max error {s['max_error']:.3g}"
-                  f"  ({s['cases']} cases)\n")
+                  f"  ({by_dtype}; {s['cases']} cases)\n")
         for f in s["failures"][:3]:
             out.write(f"      {f}\n")
     for row in rows:  # say what could not be tested here, and why
