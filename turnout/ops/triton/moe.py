@@ -160,7 +160,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     sorted_pairs, block_expert = align_block_size(topk_ids, num_experts, block_m)
     num_blocks = block_expert.numel()
     # fp32 must not silently become tf32; the interpreter's dot is unreliable below fp32.
-    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    precision = "ieee" if hidden.dtype == torch.float32 else None  # None: the target's default
     upcast = _INTERPRET and hidden.dtype == torch.bfloat16
     num_warps, num_stages = 4, (1 if _INTERPRET else 3)
 
