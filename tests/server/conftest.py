@@ -109,11 +109,10 @@ class InProcessServer:
         self.thread.start()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(f"{self.base_url}/health", timeout=1)
-                if r.status_code == 200 or self.state.phase != "loading":
-                    return self
-            time.sleep(0.05)
+            # an engine given up front: wait until it is served; a factory: only until uvicorn listens
+            if self.server.started and (self.state.engine_factory or self.state.phase != "loading"):
+                return self
+            time.sleep(0.02)
         raise TimeoutError("in-process server did not start")
 
     def __exit__(self, *exc):

@@ -78,6 +78,9 @@ class FakeEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
+        bad = next((t for t in ids if not 0 <= t < 256), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, 256)")
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(len(ids), self.max_model_len)
         if request_id in self.running or request_id in self.waiting:

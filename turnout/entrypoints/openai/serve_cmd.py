@@ -78,11 +78,10 @@ def run(args) -> int:
     exit_code = 0
 
     def on_ready(state):
-        logger.info("turnout %s serving %s (model %s) on http://%s:%d | max_model_len=%d max_num_seqs=%d "
-                    "max_queue=%d api_key=%s | ops: %s", _version(), ", ".join(state.served_model_names),
-                    config.model or "default", args.host, args.port, state.max_model_len, args.max_num_seqs,
-                    args.max_queue, "required" if args.api_key else "off",
-                    ", ".join(f"{r['op']}={r['chosen']}" for r in state.ops_report) or "-")
+        logger.info("turnout %s ready on http://%s:%d | model %r | max_model_len=%d max_num_seqs=%d "
+                    "max_queue=%d api_key=%s drain_timeout=%.0fs", _version(), args.host, args.port,
+                    ", ".join(state.served_model_names), state.max_model_len, args.max_num_seqs, args.max_queue,
+                    "required" if args.api_key else "off", args.drain_timeout)
 
     def on_load_failed(exc):
         nonlocal exit_code
