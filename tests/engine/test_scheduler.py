@@ -438,3 +438,12 @@ def test_random_stress_with_aborts():
             assert res[key] == tokens, key
     assert eng.sched.num_preemptions > 0 and eng.bm.num_hit_tokens > 0
     assert eng.bm.num_free_blocks == 20
+
+
+def test_a_sampled_sequence_without_a_new_token_is_an_engine_bug():
+    eng = FakeEngine(num_blocks=8)
+    eng.add("a", [1, 2, 3])
+    out = eng.sched.schedule()
+    eng.sched.postprocess(out)  # ... but no append_token, no finish
+    with pytest.raises(RuntimeError, match="must append the token or finish"):
+        eng.sched.schedule()

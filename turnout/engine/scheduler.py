@@ -146,6 +146,10 @@ class Scheduler:
             return victim
 
         # 1 + 2: running sequences, decodes first
+        for seq in self.running:
+            if seq.num_uncomputed_tokens == 0:
+                raise RuntimeError(f"sequence {seq.seq_id} has nothing to compute: after a step that sampled "
+                                   f"for it, the engine must append the token or finish the sequence")
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
