@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import time
@@ -55,6 +54,18 @@ class _Request:
         return len(self.completions) == self.params.n and all(c.finish_reason for c in self.completions.values())
 
 
+class _NoText:
+    """The detokenizer of a model without a tokenizer: token ids only."""
+
+    stopped = None
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         import torch
@@ -69,7 +80,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = config
         self.platform = detect_platform(config.device)
-        self.ops = resolve(self.platform, Policy.from_sources(config.ops_policy))
+        self.ops = resolve(self.platform, Policy.from_sources(config.ops_policy, platform=self.platform))
         log_table(self.ops, logger)
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, load_format=config.load_format, dtype=config.dtype,
@@ -88,7 +99,6 @@ class LLMEngine:
                                    max(config.max_num_batched_tokens, 1), self.max_model_len)
         self.eos_ids = self._eos_ids()
         self._rng = random.Random(config.seed)
-        self._seq_ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -112,7 +122,12 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; give token ids")
         return self.tokenizer.encode(prompt)
+
+    def _decode_one(self, tok: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([tok])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not isinstance(messages, list) or not messages:
@@ -144,6 +159,8 @@ class LLMEngine:
             raise ValueError("prompt: must be a string or a list of token ids")
         if not ids:
             raise ValueError("prompt: must not be empty")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this model has none")
         vocab = self.runner.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -153,7 +170,7 @@ class LLMEngine:
             raise ContextLengthError(len(ids), params.max_tokens, self.max_model_len)
         now = time.time() if arrival_time is None else arrival_time
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(next(self._seq_ids), request_id, ids, params, seed=seed % 2**63, n=params.n,
+        seq = Sequence(self.scheduler.new_seq_id(), request_id, ids, params, seed=seed % 2**63, n=params.n,
                        arrival_time=now)
         self.scheduler.add(seq)  # may raise ValueError if it can never fit
         req = _Request(request_id, text, ids, params, RequestMetrics(arrival_time=now))
@@ -165,7 +182,10 @@ class LLMEngine:
 
         p = req.params
         req.seqs[seq.index] = seq
-        req.detoks[seq.index] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+        if self.tokenizer is None:
+            req.detoks[seq.index] = _NoText()
+        else:
+            req.detoks[seq.index] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                        skip_special_tokens=p.skip_special_tokens,
                                                        stop=p.stop_strings,
                                                        include_stop_str_in_output=p.include_stop_str_in_output)
@@ -191,7 +211,7 @@ class LLMEngine:
                            kv_cache_usage=self.block_manager.usage, num_preemptions_total=s.num_preemptions,
                            prompt_tokens_total=self._prompt_tokens_total,
                            generation_tokens_total=self._generation_tokens_total,
-                           prefix_cache_hit_tokens_total=getattr(s, "num_cached_prompt_tokens", 0))
+                           prefix_cache_hit_tokens_total=s.num_prefix_cached_tokens)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -258,10 +278,10 @@ class LLMEngine:
         comp.token_ids.append(tok)
         if extra is not None and comp.logprobs is not None:
             lps, ranks, top_ids, top_lps = extra
-            entry = {tok: Logprob(lps[lane], ranks[lane], self.tokenizer.decode([tok]))}
+            entry = {tok: Logprob(lps[lane], ranks[lane], self._decode_one(tok))}
             if top_ids is not None:
                 for r, (t, lp) in enumerate(zip(top_ids[lane][: p.logprobs], top_lps[lane][: p.logprobs])):
-                    entry.setdefault(t, Logprob(lp, r + 1, self.tokenizer.decode([t])))
+                    entry.setdefault(t, Logprob(lp, r + 1, self._decode_one(t)))
             comp.logprobs.append(entry)
             comp.cumulative_logprob += lps[lane]
         n_out = len(comp.token_ids)
