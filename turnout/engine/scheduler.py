@@ -146,18 +146,23 @@ class Scheduler:
             return victim
 
         # 1 + 2: running sequences, decodes first
+        decodes, prefills = [], []
         for seq in self.running:
-            if seq.num_uncomputed_tokens == 0:
+            todo = seq.num_tokens - seq.num_computed_tokens
+            if todo == 1:
+                decodes.append(seq)
+            elif todo > 1:
+                prefills.append(seq)
+            else:
                 raise RuntimeError(f"sequence {seq.seq_id} has nothing to compute: after a step that sampled "
                                    f"for it, the engine must append the token or finish the sequence")
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted in this step
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            start = seq.num_computed_tokens
+            num_new = min(seq.num_tokens - start, budget)
             while not bm.can_append(seq, num_new):
                 if len(self.running) == 1:
                     raise RuntimeError(f"sequence {seq.seq_id} ({seq.num_tokens} tokens) cannot grow: the KV cache "
@@ -165,8 +170,9 @@ class Scheduler:
                 if preempt_newest() is seq:
                     break
             else:
-                start = seq.num_computed_tokens
-                copies[seq.seq_id] = bm.append_slots(seq, num_new)
+                pairs = bm.append_slots(seq, num_new)
+                if pairs:
+                    copies[seq.seq_id] = pairs
                 entries[seq.seq_id] = ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens)
                 budget -= num_new
 

@@ -171,37 +171,43 @@ class BlockManager:
         return seq.num_computed_tokens
 
     # ---- growth ---------------------------------------------------------------------------------
-    def _needs_copy(self, seq: Sequence) -> bool:
-        """The block the next token goes into is shared (siblings after a fork): copy before writing."""
+    def _shared_write_block(self, seq: Sequence) -> int:
+        """Index in the block table of the block the next token goes into, if it is shared (siblings
+        after a fork) and so must be copied before writing; else -1."""
         i = seq.num_computed_tokens // self.block_size
-        return i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return -1
 
-    def _blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
-        grow = max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
-        return grow + self._needs_copy(seq)
+    def blocks_to_append(self, seq: Sequence, num_new_tokens: int = 1) -> int:
+        """Free blocks ``append_slots(seq, num_new_tokens)`` takes (new blocks + a copy-on-write)."""
+        grow = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        return max(0, grow) + (self._shared_write_block(seq) >= 0)
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        return self._blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks
+        return self.blocks_to_append(seq, num_new_tokens) <= len(self._free_plain) + len(self._free_cached)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
         """Make room for tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` of a
         sequence that already holds blocks. Returns the copy-on-write block copies ``(src, dst)`` to run
-        before the forward (at most one: the shared, partly filled last block). Check ``can_append``."""
-        need = self._blocks_to_append(seq, num_new_tokens)
-        if need > self.num_free_blocks:
-            raise RuntimeError(f"append_slots: sequence {seq.seq_id} needs {need} free blocks, "
+        before the forward (at most one: the shared, partly filled block the first new token goes into;
+        the last sibling to write keeps the original). Check ``can_append`` first."""
+        if not self.can_append(seq, num_new_tokens):
+            raise RuntimeError(f"append_slots: sequence {seq.seq_id} needs "
+                               f"{self.blocks_to_append(seq, num_new_tokens)} free blocks, "
                                f"{self.num_free_blocks} are free")
         copies = []
-        if self._needs_copy(seq):
-            i = seq.num_computed_tokens // self.block_size
+        i = self._shared_write_block(seq)
+        if i >= 0:
             src = seq.block_table[i]
             dst = self._take_free()
             self._unref(src)  # still referenced by a sibling: never freed here
             seq.block_table[i] = dst
             copies.append((src, dst))
             self.num_copy_on_write += 1
-        while len(seq.block_table) < self.blocks_for(seq.num_computed_tokens + num_new_tokens):
-            seq.block_table.append(self._take_free())
+        table = seq.block_table
+        for _ in range(-(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)):
+            table.append(self._take_free())
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
