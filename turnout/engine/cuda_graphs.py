@@ -172,6 +172,7 @@ class DecodeGraphs:
         return self.enabled and is_graphable(int(meta.slot_mapping.shape[0]), n, num_sampled, meta.max_query_len,
                                              int(meta.block_tables.shape[1]), self.max_blocks, self.buckets)
 
+    @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions and meta on the host (pinned): one async copy each into the static
         buffers, then replay. Returns logits [n, vocab] f32, a view valid until the next replay."""

@@ -1,6 +1,446 @@
+"""`turnout bench latency | throughput`: vLLM-style benchmarks on random token prompts (ignore_eos).
+
+latency: ``--batch-size`` prompts of ``--input-len`` tokens, ``--output-len`` tokens each, ``--num-iters``
+times (fresh prompts each time, so the prefix cache never helps). Every ``engine.step()`` is timed: the
+steps that process prompt tokens are prefill, the others decode.
+throughput: ``--num-prompts`` prompts at once; output and total tokens/s.
+
+Beside tokens/s each prints achieved GB/s (weights read per step + KV read) and TFLOP/s (2 x params x
+tokens + attention), and their ratio to the copy bandwidth and GEMM rate measured in the same run
+(``turnout/utils/roofline.py``), as a table and as one JSON object (``--output-json PATH`` also writes it).
+
+``--model`` is a model directory or file, or the name of a config in ``benchmarks/configs/`` (a directory
+holding ``config.json``, or a ``<name>.json`` file): those get dummy weights.
+
+    turnout bench latency --model qwen3-8b --batch-size 1 --input-len 128 --output-len 256
+    python -m turnout.entrypoints.bench_cmd throughput --model qwen3-8b --num-prompts 512 ...
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Fields every JSON result carries (tests check them; docs/gpu.md explains them).
+COMMON_FIELDS = ("bench", "model", "model_path", "load_format", "dtype", "device", "input_len", "output_len",
+                 "enforce_eager", "cuda_graphs", "ops", "engine", "geometry", "ceilings", "machine",
+                 "achieved_GB_s", "achieved_TFLOP_s", "frac_of_copy_bw", "frac_of_gemm")
+LATENCY_FIELDS = COMMON_FIELDS + ("batch_size", "num_iters", "latency_s", "latency_p50_s", "latency_p90_s",
+                                  "latencies_s", "prefill_s", "prefill_tok_s", "prefill_TFLOP_s",
+                                  "prefill_frac_of_gemm", "decode_step_ms", "decode_step_p50_ms",
+                                  "decode_step_p90_ms", "decode_tok_s", "decode_GB_s", "decode_TFLOP_s",
+                                  "decode_frac_of_copy_bw", "output_tok_s")
+THROUGHPUT_FIELDS = COMMON_FIELDS + ("num_prompts", "elapsed_s", "requests_per_s", "output_tok_s",
+                                     "total_tok_s", "num_steps", "num_prefill_steps", "num_decode_steps",
+                                     "prefill_steps_s", "decode_steps_s", "decode_step_ms", "mean_decode_batch",
+                                     "num_preemptions")
+
+
+# ---- model names ---------------------------------------------------------------------------------
+def config_roots() -> list[Path]:
+    roots = []
+    if os.environ.get("TURNOUT_BENCH_CONFIGS"):
+        roots.append(Path(os.environ["TURNOUT_BENCH_CONFIGS"]))
+    roots.append(Path(__file__).resolve().parents[2] / "benchmarks" / "configs")
+    roots.append(Path.cwd() / "benchmarks" / "configs")
+    return [r for i, r in enumerate(roots) if r.is_dir() and r.resolve() not in {x.resolve() for x in roots[:i]}]
+
+
+def _norm(name: str) -> str:
+    name = name.lower()
+    for suffix in (".json",):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name.replace("_", "-").replace(".", "-")
+
+
+def _config_only_dir(json_file: Path) -> str:
+    """A directory holding just ``config.json`` (a copy of ``json_file``), for loaders that want one."""
+    d = Path(tempfile.mkdtemp(prefix=f"turnout-bench-{json_file.stem}-"))
+    shutil.copyfile(json_file, d / "config.json")
+    return str(d)
+
+
+def resolve_model(model: str | None) -> tuple[str | None, bool]:
+    """(what to load, whether it is a bundled config with no weights). A path is used as given (a
+    ``.json`` file becomes a config-only directory); otherwise a name is looked up in
+    ``benchmarks/configs`` (case, '-', '_' and '.' ignored); otherwise returned unchanged (hub id)."""
+    if model is None:
+        return None, False
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return str(p), False
+    if p.is_file():
+        return (_config_only_dir(p), True) if p.suffix == ".json" else (str(p), False)
+    want = _norm(p.name)
+    for root in config_roots():
+        for entry in sorted(root.iterdir()):
+            if _norm(entry.name) != want:
+                continue
+            if entry.is_dir() and (entry / "config.json").is_file():
+                return str(entry), True
+            if entry.is_file() and entry.suffix == ".json":
+                return _config_only_dir(entry), True
+    known = sorted({_norm(e.name) for r in config_roots() for e in r.iterdir()})
+    if not p.is_absolute() and "/" not in model and known:
+        logger.info("%r is not a path nor one of benchmarks/configs (%s); passing it on", model, ", ".join(known))
+    return model, False
+
+
+def has_tokenizer_files(path: str | None) -> bool:
+    if path is None or not Path(path).is_dir():
+        return True  # the loader finds one (embedded default, GGUF, hub)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any((Path(path) / n).is_file() for n in names)
+
+
+class NullTokenizer:
+    """Stands in when a config-only model has no tokenizer: prompts are token ids, outputs have no text."""
+
+    eos_token_id = None
+    pad_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens: bool = True, **kw) -> str:
+        return ""
+
+    def encode(self, text, **kw):
+        raise ValueError("this model has no tokenizer: give prompts as token ids")
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+def _common(p) -> None:
+    p.add_argument("--model", default=None,
+                   help="model directory/file, or a name from benchmarks/configs (qwen3-8b, llama-3.1-8b, ...)")
+    p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy (bundled configs: dummy)")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: input-len + output-len")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (default: sized by the engine)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action="store_true", help="off by default: random prompts")
+    p.add_argument("--ops-policy", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and GEMM rate")
+    p.add_argument("--output-json", default=None, metavar="PATH")
+
+
 def add_arguments(p) -> None:
-    pass
+    sub = p.add_subparsers(dest="bench", required=True)
+    lat = sub.add_parser("latency", help="time one batch: prefill and per-step decode")
+    _common(lat)
+    lat.add_argument("--batch-size", type=int, default=8)
+    lat.add_argument("--num-iters", type=int, default=3)
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    thr = sub.add_parser("throughput", help="offline throughput of many prompts")
+    _common(thr)
+    thr.add_argument("--num-prompts", type=int, default=256)
+
+
+def _validate(args) -> None:
+    for name in ("input_len", "output_len") + (("batch_size", "num_iters") if args.bench == "latency"
+                                               else ("num_prompts",)):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+
+
+# ---- engine --------------------------------------------------------------------------------------
+def build_llm(args, batch: int):
+    """The LLM for a benchmark run, and the wall time it took to start."""
+    from turnout.engine.llm import LLM
+
+    path, bundled = resolve_model(args.model)
+    load_format = args.load_format
+    if bundled and load_format == "auto":
+        load_format = "dummy"
+    on_gpu = _on_gpu(args.device)
+    max_seqs = args.max_num_seqs or (batch if args.bench == "latency" else 256)
+    max_tokens = args.max_num_batched_tokens
+    if max_tokens is None:
+        max_tokens = (min(max(2048, batch * args.input_len), 32768) if args.bench == "latency"
+                      else (16384 if on_gpu else 2048))
+    t0 = time.perf_counter()
+    llm = LLM(model=path, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len or args.input_len + args.output_len, max_num_seqs=max_seqs,
+              max_num_batched_tokens=max_tokens, kv_cache_memory=args.kv_cache_memory,
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+              load_format=load_format, seed=args.seed, ops_policy=args.ops_policy, block_size=args.block_size,
+              enforce_eager=args.enforce_eager, tokenizer=None if has_tokenizer_files(path) else NullTokenizer())
+    return llm, path, load_format, time.perf_counter() - t0
+
+
+def _on_gpu(device: str) -> bool:
+    from turnout.platforms import detect_platform
+
+    return detect_platform(device).is_gpu
+
+
+def _ceilings(args, dtype) -> dict:
+    from turnout.platforms import detect_platform
+    from turnout.utils.roofline import measure_ceilings
+
+    if args.no_ceilings:
+        return {"copy_GB_s": None, "gemm_TFLOP_s": None, "skipped": True}
+    platform = detect_platform(args.device)
+    return measure_ceilings(platform.device(0 if platform.is_gpu else None), dtype)
+
+
+def _engine_info(llm, startup_s: float) -> tuple[dict, dict, dict]:
+    eng = llm.engine
+    runner = eng.runner
+    graphs = getattr(runner, "graphs", None)
+    if graphs is not None:
+        g = graphs.stats()
+    else:
+        g = {"enabled": False, "disabled_reason": "enforce_eager" if eng.config.enforce_eager
+             else f"not supported on {eng.platform.name}"}
+    info = {"startup_s": startup_s, "platform": eng.platform.name, "description": eng.platform.description,
+            "num_kv_blocks": runner.num_blocks, "kv_cache_GiB": runner.num_blocks * runner.block_bytes / 2**30,
+            "block_size": runner.block_size, "max_model_len": eng.max_model_len,
+            "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens}
+    ops = {name: res.chosen for name, res in eng.ops.resolutions.items()}
+    return info, g, ops
+
+
+class _Step:
+    __slots__ = ("dt", "prompt_tokens", "gen_tokens")
+
+    def __init__(self, dt, prompt_tokens, gen_tokens):
+        self.dt, self.prompt_tokens, self.gen_tokens = dt, prompt_tokens, gen_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.prompt_tokens > 0
+
+
+def run_to_completion(engine, prompts, params, tag: str) -> tuple[list[_Step], float]:
+    """Add every prompt, step until all finish; time each step (a step ends in the sampled tokens'
+    device->host copy, so its wall time is its GPU time plus host work)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    steps: list[_Step] = []
+    t_start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        before = engine.get_stats()
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        after = engine.get_stats()
+        steps.append(_Step(dt, after.prompt_tokens_total - before.prompt_tokens_total,
+                           after.generation_tokens_total - before.generation_tokens_total))
+    return steps, time.perf_counter() - t_start
+
+
+def _ratio(x, ceiling):
+    return x / ceiling if x is not None and ceiling else None
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def _div(a, b):
+    return a / b if b else None
+
+
+# ---- the two benchmarks --------------------------------------------------------------------------
+def bench_latency(args, llm, geo) -> dict:
+    from turnout.engine.sampling_params import SamplingParams
+    from turnout.utils.roofline import prefill_attn_pairs
+
+    eng = llm.engine
+    vocab = eng.runner.vocab_size
+    B, L, O = args.batch_size, args.input_len, args.output_len
+    for w in range(args.num_iters_warmup):
+        run_to_completion(eng, random_prompts(B, L, vocab, args.seed + 1000 + w),
+                          SamplingParams(max_tokens=min(O, 8), temperature=0.0, ignore_eos=True), f"warmup{w}")
+    params = SamplingParams(max_tokens=O, temperature=0.0, ignore_eos=True)
+    latencies, prefills, decode_steps, decode_times = [], [], [], []
+    decode_bytes = decode_flops = 0.0
+    for it in range(args.num_iters):
+        steps, total = run_to_completion(eng, random_prompts(B, L, vocab, args.seed + it), params, f"it{it}")
+        latencies.append(total)
+        prefills.append(sum(s.dt for s in steps if s.is_prefill))
+        dsteps = [s for s in steps if not s.is_prefill]
+        decode_steps += [s.dt for s in dsteps]
+        decode_times.append(sum(s.dt for s in dsteps))
+        for k, s in enumerate(dsteps, start=1):  # decode step k attends to L + k tokens per sequence
+            n = s.gen_tokens or B
+            decode_bytes += geo.weight_bytes_per_step(n) + n * (L + k + 1) * geo.kv_bytes_per_token
+            decode_flops += geo.flops(n, n, n * (L + k))
+    iters = args.num_iters
+    decode_time = sum(decode_times)
+    prefill_mean = statistics.fmean(prefills)
+    prefill_flops = geo.flops(B * L, B, B * prefill_attn_pairs(L))
+    step_mean = statistics.fmean(decode_steps) if decode_steps else None
+    r = {"batch_size": B, "num_iters": iters, "latency_s": statistics.fmean(latencies),
+         "latency_p50_s": _pct(latencies, 0.5), "latency_p90_s": _pct(latencies, 0.9), "latencies_s": latencies,
+         "prefill_s": prefill_mean, "prefill_tok_s": _div(B * L, prefill_mean),
+         "prefill_TFLOP_s": _div(prefill_flops / 1e12, prefill_mean),
+         "decode_step_ms": step_mean * 1e3 if step_mean else None,
+         "decode_step_p50_ms": (_pct(decode_steps, 0.5) or 0) * 1e3 if decode_steps else None,
+         "decode_step_p90_ms": (_pct(decode_steps, 0.9) or 0) * 1e3 if decode_steps else None,
+         "decode_tok_s": _div(B, step_mean), "decode_GB_s": _div(decode_bytes / 1e9, decode_time),
+         "decode_TFLOP_s": _div(decode_flops / 1e12, decode_time),
+         "output_tok_s": _div(B * O, statistics.fmean(latencies))}
+    r["achieved_GB_s"], r["achieved_TFLOP_s"] = r["decode_GB_s"], r["decode_TFLOP_s"]
+    return r
+
+
+def bench_throughput(args, llm, geo) -> dict:
+    from turnout.engine.sampling_params import SamplingParams
+    from turnout.utils.roofline import decode_attn_pairs, prefill_attn_pairs
+
+    eng = llm.engine
+    vocab = eng.runner.vocab_size
+    N, L, O = args.num_prompts, args.input_len, args.output_len
+    warm = min(N, 8)  # compiles the prefill and decode kernels before the clock starts
+    run_to_completion(eng, random_prompts(warm, L, vocab, args.seed + 1000),
+                      SamplingParams(max_tokens=min(O, 4), temperature=0.0, ignore_eos=True), "warmup")
+    preempt0 = eng.get_stats().num_preemptions_total
+    steps, elapsed = run_to_completion(eng, random_prompts(N, L, vocab, args.seed),
+                                       SamplingParams(max_tokens=O, temperature=0.0, ignore_eos=True), "req")
+    gen = sum(s.gen_tokens for s in steps)
+    dsteps = [s for s in steps if not s.is_prefill]
+    weight_bytes = sum(geo.weight_bytes_per_step(s.prompt_tokens + s.gen_tokens) for s in steps)
+    kv_tokens = N * (decode_attn_pairs(L, O) + L + (L + O))  # decode reads + prefill reads + writes
+    total_bytes = weight_bytes + kv_tokens * geo.kv_bytes_per_token
+    flops = geo.flops(N * (L + O - 1), N * O, N * (prefill_attn_pairs(L) + decode_attn_pairs(L, O)))
+    dtime = sum(s.dt for s in dsteps)
+    r = {"num_prompts": N, "elapsed_s": elapsed, "requests_per_s": N / elapsed, "output_tok_s": gen / elapsed,
+         "total_tok_s": (N * L + gen) / elapsed, "num_steps": len(steps),
+         "num_prefill_steps": len(steps) - len(dsteps), "num_decode_steps": len(dsteps),
+         "prefill_steps_s": sum(s.dt for s in steps if s.is_prefill), "decode_steps_s": dtime,
+         "decode_step_ms": _div(dtime * 1e3, len(dsteps)),
+         "mean_decode_batch": _div(sum(s.gen_tokens for s in dsteps), len(dsteps)),
+         "num_preemptions": eng.get_stats().num_preemptions_total - preempt0,
+         "achieved_GB_s": total_bytes / 1e9 / elapsed, "achieved_TFLOP_s": flops / 1e12 / elapsed}
+    return r
+
+
+# ---- output --------------------------------------------------------------------------------------
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1000 else f"{v:.1f}"
+    return "-" if v is None else str(v)
+
+
+TABLE = {"latency": ("latency_s", "prefill_s", "prefill_tok_s", "prefill_TFLOP_s", "prefill_frac_of_gemm",
+                     "decode_step_ms", "decode_step_p90_ms", "decode_tok_s", "output_tok_s", "decode_GB_s",
+                     "decode_frac_of_copy_bw", "decode_TFLOP_s"),
+         "throughput": ("elapsed_s", "requests_per_s", "output_tok_s", "total_tok_s", "num_steps",
+                        "decode_step_ms", "mean_decode_batch", "num_preemptions", "achieved_GB_s",
+                        "frac_of_copy_bw", "achieved_TFLOP_s", "frac_of_gemm")}
+
+
+def print_report(result: dict, out=None) -> None:
+    out = out or sys.stdout
+    g = result["cuda_graphs"]
+    head = (f"== turnout bench {result['bench']}: {result['model']} ({result['dtype']}, {result['device']}), "
+            f"input {result['input_len']}, output {result['output_len']}, "
+            + (f"batch {result['batch_size']}" if result["bench"] == "latency" else f"{result['num_prompts']} prompts")
+            + f", CUDA graphs {'on' if g.get('enabled') else 'off (' + str(g.get('disabled_reason')) + ')'}")
+    print(head, file=out)
+    keys = TABLE[result["bench"]]
+    w = max(len(k) for k in keys)
+    for k in keys:
+        print(f"  {k:<{w}}  {_fmt(result.get(k))}", file=out)
+    c = result["ceilings"]
+    print(f"  ceilings: copy {_fmt(c.get('copy_GB_s'))} GB/s, GEMM {_fmt(c.get('gemm_TFLOP_s'))} TFLOP/s "
+          f"({c.get('gemm_dtype', '-')})", file=out)
+    print("JSON " + json.dumps(result), file=out)
 
 
 def run(args) -> int:
-    raise RuntimeError("not built yet")
+    import torch
+
+    from turnout.utils.roofline import machine, model_geometry
+
+    _validate(args)
+    batch = args.batch_size if args.bench == "latency" else args.num_prompts
+    dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "half": torch.float16, "fp16": torch.float16}.get(args.dtype)
+    ceilings = _ceilings(args, dtype)  # before the engine takes the memory
+    llm, path, load_format, startup_s = build_llm(args, batch)
+    eng = llm.engine
+    geo = model_geometry(eng.runner.model, eng.hf_config, eng.runner.dtype)
+    info, graphs, ops = _engine_info(llm, startup_s)
+    result = {"bench": args.bench, "model": args.model or eng.model_name, "model_path": path,
+              "load_format": load_format, "dtype": str(eng.runner.dtype).replace("torch.", ""),
+              "device": eng.platform.description or eng.platform.name, "input_len": args.input_len,
+              "output_len": args.output_len, "enforce_eager": bool(args.enforce_eager)}
+    measured = bench_latency(args, llm, geo) if args.bench == "latency" else bench_throughput(args, llm, geo)
+    result.update(measured)
+    copy_bw, gemm = ceilings.get("copy_GB_s"), ceilings.get("gemm_TFLOP_s")
+    result["frac_of_copy_bw"] = _ratio(result["achieved_GB_s"], copy_bw)
+    result["frac_of_gemm"] = _ratio(result["achieved_TFLOP_s"], gemm)
+    if args.bench == "latency":
+        result["decode_frac_of_copy_bw"] = _ratio(result["decode_GB_s"], copy_bw)
+        result["prefill_frac_of_gemm"] = _ratio(result["prefill_TFLOP_s"], gemm)
+    graphs = eng.runner.graphs.stats() if getattr(eng.runner, "graphs", None) is not None else graphs
+    result.update({"cuda_graphs": graphs, "ops": ops, "engine": info, "geometry": geo.to_dict(),
+                   "ceilings": ceilings, "machine": machine()})
+    result = _clean(result)
+    print_report(result)
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m turnout.entrypoints.bench_cmd latency ...`: the same, without the other subcommands'
+    imports (for machines that lack the server's dependencies)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="turnout bench", description="latency / throughput benchmarks")
+    p.add_argument("--log-level", default="INFO")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args.command = "bench"
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(run(args) or 0)
+    except ValueError as e:
+        print(f"turnout bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
