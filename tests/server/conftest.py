@@ -74,8 +74,16 @@ class ServerProcess:
 MAIN_SERVER_ARGS = ("--max-model-len", "512", "--max-num-seqs", "8", "--max-queue", "64", "--seed", "0")
 
 
+class _External:
+    def __init__(self, url):
+        self.base_url = url.rstrip("/")
+
+
 @pytest.fixture(scope="session")
 def server():
+    if os.environ.get("TURNOUT_TEST_SERVER_URL"):  # reuse a running `turnout serve` (started with MAIN_SERVER_ARGS)
+        yield _External(os.environ["TURNOUT_TEST_SERVER_URL"])
+        return
     srv = ServerProcess(*MAIN_SERVER_ARGS)
     try:
         srv.wait_healthy()

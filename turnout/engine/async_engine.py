@@ -135,6 +135,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # guards _tracked, _unaccounted, stats
         self._tracked: dict[str, _Tracked] = {}
         self._unaccounted = 0  # admitted requests not yet visible in `stats`
+        self._aborting = 0  # aborted by the caller, not yet freed by the engine thread
         self.stats = StatsSnapshot()
         self.dead: BaseException | None = None
         self.draining = False
@@ -156,8 +157,9 @@ class AsyncLLMEngine:
 
     @property
     def num_in_flight(self) -> int:
+        """Requests admitted and not yet finished, including aborted ones the engine has not freed yet."""
         with self._lock:
-            return len(self._tracked)
+            return len(self._tracked) + self._aborting
 
     def start_draining(self) -> None:
         self.draining = True
@@ -241,6 +243,8 @@ class AsyncLLMEngine:
         it before its next step."""
         with self._lock:
             t = self._tracked.pop(request_id, None)
+            if t is not None and self.dead is None:
+                self._aborting += 1
         if t is None:
             return
         if error is not None:
@@ -262,10 +266,12 @@ class AsyncLLMEngine:
         try:
             while not self._stop:
                 busy = engine.has_unfinished_requests()
-                added = self._apply_commands(block=not busy)
+                added, aborted = self._apply_commands(block=not busy)
+                self._publish_stats(added, aborted)  # before the step: a step may take a while
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
-                self._publish_stats(added)
+                    self._publish_stats(0, 0)
+            self._publish_stats(*self._apply_commands(block=False))  # aborts queued by shutdown()
         except BaseException as e:  # noqa: BLE001 - any failure of the engine kills it, loudly
             logger.exception("engine failed; failing every in-flight request")
             self._die(e)
@@ -278,7 +284,7 @@ class AsyncLLMEngine:
                 cmds.append(self._commands.get_nowait())
         except queue.Empty:
             pass
-        added = 0
+        added = aborted = 0
         for cmd in cmds:
             if cmd[0] == "add":
                 _, rid, prompt, params, stream = cmd
@@ -301,8 +307,9 @@ class AsyncLLMEngine:
                     self.engine.abort_request(rid)
                 except (KeyError, ValueError):  # it finished (or never got in) meanwhile
                     pass
+                aborted += 1
                 self.observer.on_finished(time.monotonic() - t.arrival, "abort")
-        return added
+        return added, aborted
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -331,18 +338,19 @@ class AsyncLLMEngine:
                 self.observer.on_finished(now - t.arrival, reason)
             self._call_soon(t.stream._put, merged)
 
-    def _publish_stats(self, added: int) -> None:
+    def _publish_stats(self, added: int, aborted: int) -> None:
         snap = StatsSnapshot.of(self.engine.get_stats())
         with self._lock:
             self.stats = snap
             self._unaccounted -= added
+            self._aborting -= aborted
 
     def _die(self, exc: BaseException) -> None:
         self.dead = exc
         err = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
         with self._lock:
             tracked, self._tracked = list(self._tracked.values()), {}
-            self._unaccounted = 0
+            self._unaccounted = self._aborting = 0
         for t in tracked:
             self._call_soon(t.stream._fail, err)
         # Commands that raced in after the failure: fail their streams too.

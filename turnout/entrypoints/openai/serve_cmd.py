@@ -89,7 +89,9 @@ def run(args) -> int:
         if server is not None:
             server.should_exit = True
 
-    state = ServerState(engine_factory=make_engine, served_model_names=args.served_model_name,
+    # As vLLM: the API name is --served-model-name, else the MODEL argument, else the engine's display name.
+    names = args.served_model_name or ([args.model] if args.model else None)
+    state = ServerState(engine_factory=make_engine, served_model_names=names,
                         api_key=args.api_key or None, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
                         max_request_bytes=args.max_request_bytes, drain_timeout=args.drain_timeout,
                         on_ready=on_ready, on_load_failed=on_load_failed)

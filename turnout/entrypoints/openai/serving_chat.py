@@ -32,7 +32,7 @@ def _messages(req: P.ChatCompletionRequest) -> list[dict]:
 
 def _checks(req: P.ChatCompletionRequest) -> None:
     _common_checks(req)
-    if req.tools and req.tool_choice not in (None, "none"):
+    if req.tools and req.tool_choice != "none":
         raise bad_request("tools (function calling) is not supported", param="tools", code="unsupported")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise bad_request("response_format: only {\"type\": \"text\"} is supported", param="response_format",
