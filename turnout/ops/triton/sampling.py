@@ -115,8 +115,9 @@ def _sample_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, STEPS, OUT, V, stri
     base = LOGITS + row.to(tl.int64) * stride_row
     temp = tl.load(TEMP + row).to(tl.float32)
 
-    # Pass 1: greedy argmax (lowest id on ties) and the row max.
+    # Pass 1: greedy argmax (lowest id on ties), the row max and min.
     best = tl.full([], float("-inf"), tl.float32)
+    least = tl.full([], float("inf"), tl.float32)
     best_id = tl.zeros([], dtype=tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -126,12 +127,15 @@ def _sample_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, STEPS, OUT, V, stri
         take = cmax > best
         best_id = tl.where(take, cid, best_id)
         best = tl.maximum(best, cmax)
+        least = tl.minimum(least, tl.min(tl.where(offs < V, x, float("inf")), 0))
     token = best_id.to(tl.int64)
 
     if temp != 0.0:
         t = tl.maximum(temp, 1e-6)
         m = tl.div_rn(best, t)  # x -> x / t is monotone, so this is the max scaled logit
         top_key = _key(m)
+        # Below every token: the bisections start here (W there is everything, so >= their targets).
+        floor_key = tl.maximum(_key(tl.div_rn(least, t)), INT32_MIN + 1) - 1
         k = tl.load(TOP_K + row)
         top_p = tl.load(TOP_P + row).to(tl.float32)
         min_p = tl.load(MIN_P + row).to(tl.float32)
@@ -142,7 +146,7 @@ def _sample_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, STEPS, OUT, V, stri
         n_cand = tl.zeros([], dtype=tl.int32) + V
         mass = tl.zeros([], dtype=tl.float32)
         if (k > 0) & (k < V):
-            tau = _bisect(base, V, t, m, tau, tl.full([], INT32_MIN, tl.int32), top_key, n_cand,
+            tau = _bisect(base, V, t, m, tau, floor_key, top_key, n_cand,
                           k.to(tl.float32), False, BLOCK)
             c_above, c_at, mass_above = _stats_at(base, V, t, m, INT32_MIN, tau, BLOCK)
             n_tau = k - c_above
@@ -152,7 +156,7 @@ def _sample_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, STEPS, OUT, V, stri
             if tau == INT32_MIN:  # no top-k: the mass of the whole row
                 c_above, c_at, mass = _stats_at(base, V, t, m, INT32_MIN, INT32_MIN, BLOCK)
             P = top_p * mass
-            lo = tl.where(tau == INT32_MIN, tau, tau - 1)
+            lo = tl.where(tau == INT32_MIN, floor_key, tau - 1)
             x = _bisect(base, V, t, m, tau, lo, top_key, n_cand, P, True, BLOCK)
             c_above, c_at, mass_above = _stats_at(base, V, t, m, tau, x, BLOCK)
             if x == tau:
