@@ -51,6 +51,9 @@ def build_hf_model(config_dir: str, dtype: torch.dtype, device, seed: int = 0):
         except TypeError:  # transformers < 4.56 calls it torch_dtype
             model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
     model = model.to(device=device, dtype=dtype).eval()
+    # The peer never stops at EOS (turnout's benchmarks use ignore_eos): generate fills unset fields
+    # from the model's own generation config, so the EOS id has to go there.
+    model.generation_config.eos_token_id = None
     fill_seeded(model, seed)
     return model
 
@@ -159,10 +162,14 @@ def _generate_s(model, ids, new_tokens: int, mode: str = "eager") -> float:
 
 
 def gen_config(model, mode: str, new_tokens: int):
-    """Greedy, exactly ``new_tokens`` (EOS suppressed until then); eager = dynamic cache; static = static
+    """Greedy, exactly ``new_tokens`` (EOS neither stops nor is suppressed); eager = dynamic cache; static = static
     cache without compiling; static_compiled = static cache and generate's own torch.compile."""
     cfg = copy.deepcopy(model.generation_config)
-    cfg.max_new_tokens = cfg.min_new_tokens = new_tokens
+    cfg.max_new_tokens = new_tokens
+    # ignore_eos as turnout does it: no EOS to stop at. (min_new_tokens would instead *forbid* EOS, which
+    # changes greedy choices whenever EOS is the argmax.)
+    cfg.min_new_tokens = None
+    cfg.eos_token_id = None
     cfg.do_sample = False
     cfg.pad_token_id = 0
     for k in ("temperature", "top_p", "top_k"):

@@ -178,3 +178,22 @@ def test_hf_peer_cli_json(tmp_path):
         assert r["latency"][mode]["decode_tok_s"] > 0 and r["latency"][mode]["prefill_s"] > 0
     assert r["throughput"]["batch"] == 3 and r["throughput"]["output_tok_s"] > 0
     assert os.path.exists(out) and r["num_params"] > 0
+
+
+def test_hf_peer_eos_as_argmax_is_not_suppressed(tmp_path):
+    """turnout's ignore_eos lets EOS be chosen; the peer must too (min_new_tokens would forbid it)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import hf_peer
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    prompts = bench_cmd.random_prompts(2, 8, TINY["vocab_size"], seed=11)
+    hf = hf_peer.build_hf_model(str(_write(tmp_path, TINY, "probe")), torch.float32, "cpu", seed=1)
+    with torch.no_grad():
+        first = int(hf(torch.tensor([prompts[0]])).logits[0, -1].argmax())
+    d = str(_write(tmp_path, {**TINY, "eos_token_id": first}, "eos"))  # same weights (seeded), EOS = argmax
+    hf = hf_peer.build_hf_model(d, torch.float32, "cpu", seed=1)
+    llm = hf_peer.make_turnout(d, "float32", "cpu", max_model_len=32, kv_cache_memory=1 << 22)
+    hf_peer.load_into_turnout(llm, hf)
+    r = hf_peer.compare(hf, llm, prompts, 6)
+    assert r["turnout_tokens"][0][0] == first and r["greedy_match"], r

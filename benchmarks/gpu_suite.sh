@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# The GPU suite: run ONCE on a GPU machine, everything within ~9 minutes, one JSON summary.
+#
+#   benchmarks/gpu_suite.sh OUTDIR          (QUICK=1: smaller throughput runs)
+#
+# Steps, in order, each under `timeout` (its cap, or what is left of the total budget):
+#   pytest_gpu     python -m pytest -m gpu tests/           -> pytest_gpu.xml
+#   ops_check      turnout ops --check --json (conformance)  -> ops_check.json
+#   kernels        python benchmarks/kernels.py              -> kernels.log (JSON lines)
+#   lat_graphs     turnout bench latency, Qwen3-8B dummy bf16, batch 1, 128 in / 256 out, CUDA graphs
+#   lat_eager      the same with --enforce-eager
+#   throughput     turnout bench throughput, 512 x (1024 in / 512 out)   (QUICK=1: 128 prompts)
+#   prefill        turnout bench latency, 8 x 2048 in / 1 out: prefill TFLOP/s
+#   hf_peer        HF transformers on identical weights: batch-1 eager/static, throughput, greedy check
+# After every step OUTDIR/summary.json is rewritten (benchmarks/gpu_suite_summary.py), so a run cut
+# short still leaves a summary; a step that hits its limit is recorded as timed_out.
+#
+# Environment: SUITE_BUDGET_S (default 540), MODEL (default qwen3-8b), PYTHON (default python),
+# QUICK=1, COMPILE=1 (also HF static cache + torch.compile, last), SKIP="step step" to skip steps,
+# SMOKE=1 (tiny lengths and float32: checks the script itself on a CPU, with MODEL=a tiny config).
+set -u
+OUT=${1:?usage: benchmarks/gpu_suite.sh OUTDIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+PY=${PYTHON:-python}
+MODEL=${MODEL:-qwen3-8b}
+QUICK=${QUICK:-0}
+DTYPE=${DTYPE:-bfloat16}
+LAT_IN=128 LAT_OUT=256 THR_IN=1024 THR_OUT=512 PF_BATCH=8 PF_IN=2048 CMP_TOKENS=32
+if [[ "${SMOKE:-0}" == 1 ]]; then
+  DTYPE=float32 LAT_IN=8 LAT_OUT=4 THR_IN=8 THR_OUT=4 PF_BATCH=2 PF_IN=16 CMP_TOKENS=4 NUM_PROMPTS=${NUM_PROMPTS:-4}
+fi
+BUDGET=${SUITE_BUDGET_S:-540}
+RESERVE=8 # seconds kept for the last summary
+START=$(date +%s)
+STEPS="$OUT/steps.jsonl"
+: >"$STEPS"
+
+summarize() { "$PY" benchmarks/gpu_suite_summary.py "$OUT" >/dev/null 2>>"$OUT/summary.log" || true; }
+
+# step NAME CAP_S CMD... : run CMD with stdout+stderr to OUTDIR/NAME.log under min(CAP, budget left).
+step() {
+  local name=$1 cap=$2
+  shift 2
+  local now left limit t0 rc timed_out
+  now=$(date +%s)
+  left=$((BUDGET - (now - START) - RESERVE))
+  limit=$((cap < left ? cap : left))
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then
+    printf '{"step":"%s","status":"skipped","reason":"SKIP"}\n' "$name" >>"$STEPS"
+    return
+  fi
+  if ((limit < 15)); then
+    printf '{"step":"%s","status":"skipped","reason":"no time left (%ss)"}\n' "$name" "$left" >>"$STEPS"
+    summarize
+    return
+  fi
+  echo "[gpu_suite] $(date +%T) $name (limit ${limit}s): $*" >&2
+  t0=$(date +%s%N)
+  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  ms=$((($(date +%s%N) - t0) / 1000000))
+  timed_out=false
+  if ((rc == 124 || rc == 137)); then timed_out=true; fi
+  printf '{"step":"%s","status":"%s","rc":%d,"timed_out":%s,"limit_s":%d,"seconds":%d.%03d,"log":"%s.log"}\n' \
+    "$name" "$([[ $rc == 0 ]] && echo ok || echo failed)" "$rc" "$timed_out" "$limit" \
+    $((ms / 1000)) $((ms % 1000)) "$name" >>"$STEPS"
+  echo "[gpu_suite] $name rc=$rc" >&2
+  summarize
+}
+
+"$PY" - >"$OUT/env.json" 2>"$OUT/env.log" <<'EOF' || true
+import json, torch
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+try:
+    import triton; info["triton"] = triton.__version__
+except Exception as e: info["triton"] = repr(e)
+try:
+    import transformers; info["transformers"] = transformers.__version__
+except Exception as e: info["transformers"] = repr(e)
+try:
+    import pytest_timeout; info["pytest_timeout"] = True
+except Exception: info["pytest_timeout"] = False
+print(json.dumps(info))
+EOF
+
+# 1. GPU tests. Server tests need fastapi; their collection errors must not stop the rest.
+PT_TIMEOUT=()
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then PT_TIMEOUT=(--timeout 120); fi
+step pytest_gpu 80 "$PY" -m pytest -q -m gpu tests/ --maxfail=5 --continue-on-collection-errors -p no:cacheprovider \
+  ${PT_TIMEOUT[@]+"${PT_TIMEOUT[@]}"} --junitxml="$OUT/pytest_gpu.xml"
+
+# 2. Conformance suite on CUDA (JSON on stdout).
+step ops_check 45 bash -c "\"$PY\" -m turnout.entrypoints.cli ops --check --json >\"$OUT/ops_check.json\""
+
+# 3. Kernel micro-benchmarks (another engineer's script; skipped when absent).
+if [[ -f benchmarks/kernels.py ]]; then
+  step kernels 60 "$PY" benchmarks/kernels.py ${KERNELS_ARGS:-}
+else
+  printf '{"step":"kernels","status":"skipped","reason":"benchmarks/kernels.py not found"}\n' >>"$STEPS"
+fi
+
+BENCH=("$PY" -m turnout.entrypoints.bench_cmd --log-level INFO)
+# 4-5. Batch-1 latency, graphs on then off.
+step lat_graphs 75 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+  --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" --num-iters 3 --output-json "$OUT/lat_graphs.json"
+step lat_eager 55 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+  --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" --num-iters 2 --enforce-eager --output-json "$OUT/lat_eager.json"
+
+# 6. Offline throughput.
+if [[ "$QUICK" == 1 ]]; then NUM_PROMPTS=${NUM_PROMPTS:-128}; else NUM_PROMPTS=${NUM_PROMPTS:-512}; fi
+step throughput 140 "${BENCH[@]}" throughput --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+  --num-prompts "$NUM_PROMPTS" --input-len "$THR_IN" --output-len "$THR_OUT" --max-num-seqs 256 \
+  --max-num-batched-tokens 16384 --output-json "$OUT/throughput.json"
+
+# 7. Prefill of 8 x 2048 tokens in one step.
+step prefill 50 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+  --batch-size "$PF_BATCH" --input-len "$PF_IN" --output-len 1 --num-iters 3 --max-num-batched-tokens 16384 \
+  --output-json "$OUT/prefill.json"
+
+# 8. The HF peer on identical weights (whatever time is left, at most 150 s).
+if [[ "$QUICK" == 1 ]]; then HF_BATCH=${HF_BATCH:-32}; else HF_BATCH=${HF_BATCH:-128}; fi
+step hf_peer 150 "$PY" benchmarks/hf_peer.py --model "$MODEL" --dtype "$DTYPE" --input-len "$LAT_IN" --output-len "$LAT_OUT" \
+  --thr-num-prompts "$NUM_PROMPTS" --thr-input-len "$THR_IN" --thr-output-len "$THR_OUT" --max-batch "$HF_BATCH" \
+  --compare-turnout "$CMP_TOKENS" $([[ "${COMPILE:-0}" == 1 ]] && echo --compile) --output-json "$OUT/hf_peer.json"
+
+summarize
+echo "[gpu_suite] done in $(($(date +%s) - START))s: $OUT/summary.json" >&2
+cat "$OUT/summary.json" 2>/dev/null | head -c 20000
