@@ -147,6 +147,7 @@ class _DrainingServer:
                             "(up to %.0fs)", n, self.state.drain_timeout)
                 if eng is not None:
                     await eng.shutdown(self.state.drain_timeout)
+                logger.info("drained; exiting")
                 self.should_exit = True
 
         return DrainingServer(config, state)
