@@ -292,8 +292,8 @@ class LLMEngine:
         elif tok in p.stop_token_ids and n_out >= p.min_tokens:
             finish, stop_reason = "stop", tok
         if finish is None:
-            comp.text += detok.add(tok)
-            if detok.stopped is not None and n_out >= p.min_tokens:
+            comp.text += detok.add(tok, check_stop=n_out >= p.min_tokens)
+            if detok.stopped is not None:
                 finish, stop_reason = "stop", detok.stopped
             elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
                 finish = "length"

