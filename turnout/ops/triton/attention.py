@@ -80,8 +80,14 @@ def _paged_attn_kernel(
             n_ok = offs_n < kv_hi
             page = tl.load(bt_row + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
             slot = offs_n % BS
+            if HEAD_D == D_PAD:  # no mask across the head dim: keeps the loads vectorised
+                k_mask = n_ok[None, :]
+                v_mask = n_ok[:, None]
+            else:
+                k_mask = n_ok[None, :] & d_ok[:, None]
+                v_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_head + (page * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None],
-                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+                        mask=k_mask, other=0.0)  # [D_PAD, BLOCK_N]
             s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
             s = tl.where(n_ok[None, :] & (offs_n[None, :] <= qpos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -90,7 +96,7 @@ def _paged_attn_kernel(
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+                        mask=v_mask, other=0.0)  # [BLOCK_N, D_PAD]
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             m_i = m_new
 
