@@ -102,12 +102,10 @@ def load_into_turnout(llm, hf_model) -> set:
 def make_turnout(config_dir: str, dtype: str, device: str, max_model_len: int, kv_cache_memory: int | None,
                  enforce_eager: bool = False, max_num_seqs: int = 8):
     from turnout.engine.llm import LLM
-    from turnout.entrypoints.bench_cmd import NullTokenizer, has_tokenizer_files
 
     return LLM(model=config_dir, load_format="dummy", dtype=dtype, device=device, max_model_len=max_model_len,
                kv_cache_memory=kv_cache_memory, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max(2048, max_model_len), enable_prefix_caching=False,
-               tokenizer=None if has_tokenizer_files(config_dir) else NullTokenizer())
+               max_num_batched_tokens=max(2048, max_model_len), enable_prefix_caching=False)
 
 
 @torch.no_grad()
@@ -220,7 +218,7 @@ def hf_throughput(model, num_prompts: int, input_len: int, output_len: int, max_
             return {"batch": batch, "input_len": input_len, "output_len": output_len, "elapsed_s": dt,
                     "output_tok_s": batch * output_len / dt, "total_tok_s": batch * (input_len + output_len) / dt,
                     "oom_retries": errors}
-        except torch.OutOfMemoryError as e:
+        except torch.cuda.OutOfMemoryError as e:
             errors.append(f"batch {batch}: out of memory")
             del e
             gc.collect()

@@ -90,7 +90,7 @@ def test_bundled_config_names(tmp_path, monkeypatch):
     assert bench_cmd.resolve_model(str(root / "qwen3_30b_a3b.json"))[1]
     assert bench_cmd.resolve_model("some-org/some-model") == ("some-org/some-model", False)
     d = _write(tmp_path, TINY)
-    assert bench_cmd.resolve_model(str(d)) == (str(d), False) and not bench_cmd.has_tokenizer_files(str(d))
+    assert bench_cmd.resolve_model(str(d)) == (str(d), False)
 
 
 def test_bundled_configs_are_published_shapes():

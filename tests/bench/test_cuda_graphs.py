@@ -157,11 +157,9 @@ def test_runner_graph_path_matches_eager_cpu(tmp_path):
     """The runner's hook with the wrapper on (replay = eager on the static buffers) gives the same greedy
     tokens as the plain eager path of the same engine: padding, slots and block tables are right."""
     from turnout.engine.llm import LLM
-    from turnout.entrypoints.bench_cmd import NullTokenizer
 
     llm = LLM(_tiny_dir(tmp_path), load_format="dummy", dtype="float32", device="cpu", max_model_len=64,
-              max_num_seqs=8, kv_cache_memory=1 << 22, block_size=4, enable_prefix_caching=False,
-              tokenizer=NullTokenizer())
+              max_num_seqs=8, kv_cache_memory=1 << 22, block_size=4, enable_prefix_caching=False)
     runner = llm.engine.runner
     assert runner.graphs is None  # CPU: eager
     _spread_weights(runner.model)
@@ -177,11 +175,9 @@ def test_runner_graph_path_matches_eager_cpu(tmp_path):
 @pytest.mark.gpu
 def test_cuda_graphs_capture_and_match_eager(tmp_path):
     from turnout.engine.llm import LLM
-    from turnout.entrypoints.bench_cmd import NullTokenizer
 
     llm = LLM(_tiny_dir(tmp_path), load_format="dummy", dtype="float32", device="auto", max_model_len=64,
-              max_num_seqs=8, kv_cache_memory=1 << 24, block_size=16, enable_prefix_caching=False,
-              tokenizer=NullTokenizer())
+              max_num_seqs=8, kv_cache_memory=1 << 24, block_size=16, enable_prefix_caching=False)
     runner = llm.engine.runner
     assert runner.graphs is not None, "graphs were not set up on a GPU"
     assert runner.graphs.enabled, f"capture failed: {runner.graphs.disabled_reason}"
