@@ -80,5 +80,14 @@ class RotaryEmbedding(nn.Module):
 
 def get_rope(config, head_dim: int, max_position: int, ops, is_neox: bool = True) -> RotaryEmbedding:
     """The rotary embedding an HF ``config`` describes (theta, scaling, partial_rotary_factor)."""
-    inv_freq, scaling = inv_freq_and_scaling(config, head_dim)
-    return RotaryEmbedding(head_dim, build_cos_sin_cache(inv_freq, max_position, scaling), is_neox, ops)
+    # Models are built under the loader's device and a bf16/fp16 default dtype; the frequencies must
+    # not inherit either (HF's init functions make some tensors in the default dtype).
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            inv_freq, scaling = inv_freq_and_scaling(config, head_dim)
+            cache = build_cos_sin_cache(inv_freq, max_position, scaling)
+    finally:
+        torch.set_default_dtype(old)
+    return RotaryEmbedding(head_dim, cache, is_neox, ops)

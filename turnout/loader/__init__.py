@@ -136,30 +136,36 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     if isinstance(model, PretrainedConfig):
         if load_format != "dummy":
             raise ValueError("a config object carries no weights: use load_format='dummy'")
-        src, hf_config = None, model
+        src = None
     else:
         src = resolve_source(model, config_only=load_format == "dummy")
         if load_format == "gguf" and src.kind != "gguf":
             raise ValueError(f"load_format='gguf' but {src.path} is not a .gguf file")
         if load_format == "safetensors" and src.kind != "hf_dir":
             raise ValueError(f"load_format='safetensors' but {src.path} is not a model directory")
-        hf_config = _load_config(src)
-    cls = get_model_class(getattr(hf_config, "architectures", None))
-    torch_dtype = resolve_dtype(dtype, hf_config, device)
+    if src is not None and src.kind == "gguf":
+        from turnout.loader.gguf import parse_once
 
-    with _default_dtype(torch_dtype), device:
-        net = cls(hf_config, ops)
-    net.eval()
-    if load_format == "dummy":
-        from turnout.loader.dummy import init_dummy_weights
-
-        fmt = "dummy"
-        init_dummy_weights(net, seed)
+        scope = parse_once()
     else:
-        fmt, weights = _weights(src, hf_config)
-        net.load_weights(weights)
+        scope = contextlib.nullcontext()
+    with scope:
+        hf_config = model if src is None else _load_config(src)
+        cls = get_model_class(getattr(hf_config, "architectures", None))
+        torch_dtype = resolve_dtype(dtype, hf_config, device)
+        with _default_dtype(torch_dtype), device:
+            net = cls(hf_config, ops)
+        net.eval()
+        if load_format == "dummy":
+            from turnout.loader.dummy import init_dummy_weights
 
-    tok = _load_tokenizer(src, tokenizer) if src is not None or tokenizer is not None else None
+            fmt = "dummy"
+            init_dummy_weights(net, seed)
+        else:
+            fmt, weights = _weights(src, hf_config)
+            net.load_weights(weights)
+        tok = _load_tokenizer(src, tokenizer) if src is not None or tokenizer is not None else None
+
     max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
     n_params = sum(p.numel() for p in net.parameters())
     where = src.origin if src is not None else "config object"

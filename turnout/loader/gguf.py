@@ -10,6 +10,8 @@ streamed one at a time into the model.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 from pathlib import Path
 from typing import Iterator
@@ -21,6 +23,40 @@ logger = logging.getLogger(__name__)
 
 # GGUF tensors HF has no parameter for, that carry nothing HF's config does not already say.
 HARMLESS_UNMAPPED = ("rope_freqs.weight",)
+
+
+@contextlib.contextmanager
+def parse_once():
+    """Within this block, transformers parses a GGUF file's metadata once, not once per use.
+
+    Left alone, it parses every metadata field (a 49k-token vocabulary: seconds) for the config and
+    again for the tokenizer, and rebuilds gguf's tensor-name table for every submodule of the model
+    (~400 times for 30 layers). Both are pure functions of their arguments, so they are memoised
+    here (results deep-copied, as callers may mutate them) and restored on exit. Speed only.
+    """
+    import gguf as gguf_pkg
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    orig_checkpoint, orig_name_map = hf_gguf.load_gguf_checkpoint, gguf_pkg.get_tensor_name_map
+    checkpoints, name_maps = {}, {}
+
+    def checkpoint(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return orig_checkpoint(path, return_tensors, *args, **kwargs)
+        if str(path) not in checkpoints:
+            checkpoints[str(path)] = orig_checkpoint(path, return_tensors=False)
+        return copy.deepcopy(checkpoints[str(path)])
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = orig_name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    hf_gguf.load_gguf_checkpoint, gguf_pkg.get_tensor_name_map = checkpoint, name_map
+    try:
+        yield
+    finally:
+        hf_gguf.load_gguf_checkpoint, gguf_pkg.get_tensor_name_map = orig_checkpoint, orig_name_map
 
 
 def split_path(path: str | Path) -> tuple[str, str]:
