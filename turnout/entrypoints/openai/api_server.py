@@ -7,6 +7,7 @@ after the app starts, so /health answers 503 while the model loads instead of re
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +61,10 @@ class ServerState:
         try:
             engine = self.engine if self.engine is not None else await asyncio.to_thread(self.engine_factory)
             self.engine = engine
-            self.tokenizer = engine.tokenizer
+            try:  # our own copy: the engine thread detokenizes with its tokenizer while we encode
+                self.tokenizer = copy.deepcopy(engine.tokenizer)
+            except Exception:  # noqa: BLE001
+                self.tokenizer = engine.tokenizer
             self.max_model_len = int(engine.max_model_len)
             self.vocab_size = len(engine.tokenizer)
             if not self.served_model_names:

@@ -17,7 +17,6 @@ import uuid
 
 import pydantic
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from turnout.engine.async_engine import EngineDeadError, EngineDraining, QueueFull, RequestStream
 from turnout.engine.sampling_params import SamplingParams
