@@ -84,14 +84,14 @@ def load_tokenizer(path: str | Path):
 def read_tensors(path: str | Path, fast: bool = True) -> tuple[str, Iterator[tuple[str, int, np.ndarray]]]:
     """(GGUF architecture, lazy iterator of (tensor name, ggml type, raw bytes or values)).
 
-    ``fast``: transformers' header reader (``integrations.gguf.GgufHeader``, which skips the
-    tokenizer arrays and takes milliseconds) when this transformers has it; else, or with
+    ``fast``: transformers' header reader (``integrations.gguf.GgufHeader``, which skips over the
+    tokenizer arrays; several times faster) when this transformers has it; else, or with
     ``fast=False``, ``gguf.GGUFReader`` (which parses every metadata field: seconds on a 49k vocabulary).
     """
     if fast:
         try:
             from transformers.integrations.gguf import GgufHeader
-        except ImportError:
+        except (ImportError, AttributeError):  # transformers < 5.x: no header reader
             GgufHeader = None
         if GgufHeader is not None:
             header = GgufHeader.from_file(str(path))
