@@ -136,7 +136,7 @@ def _sample_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, STEPS, OUT, V, stri
         top_key = _key(m)
         # Below every token: the bisections start here (W there is everything, so >= their targets).
         floor_key = tl.maximum(_key(tl.div_rn(least, t)), INT32_MIN + 1) - 1
-        k = tl.load(TOP_K + row)
+        k = tl.load(TOP_K + row).to(tl.int32)
         top_p = tl.load(TOP_P + row).to(tl.float32)
         min_p = tl.load(MIN_P + row).to(tl.float32)
 
