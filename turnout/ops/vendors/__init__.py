@@ -8,7 +8,7 @@ probe time makes only the implementations that need it unavailable, with the rea
 
 import importlib
 
-VENDOR_PACKAGES = ("turnout.ops.vendors.cuda",)
+VENDOR_PACKAGES = ("turnout.ops.vendors.cuda", "turnout.ops.vendors.cpu")
 
 
 def register(registry) -> None:
