@@ -102,10 +102,12 @@ def load_into_turnout(llm, hf_model) -> set:
 def make_turnout(config_dir: str, dtype: str, device: str, max_model_len: int, kv_cache_memory: int | None,
                  enforce_eager: bool = False, max_num_seqs: int = 8):
     from turnout.engine.llm import LLM
+    from turnout.entrypoints.bench_cmd import bench_tokenizer
 
     return LLM(model=config_dir, load_format="dummy", dtype=dtype, device=device, max_model_len=max_model_len,
                kv_cache_memory=kv_cache_memory, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max(2048, max_model_len), enable_prefix_caching=False)
+               max_num_batched_tokens=max(2048, max_model_len), enable_prefix_caching=False,
+               tokenizer=bench_tokenizer(config_dir))
 
 
 @torch.no_grad()

@@ -174,8 +174,9 @@ def test_hf_peer_cli_json(tmp_path):
     assert rc == 0
     r = json.loads(out.read_text())
     assert not r["errors"], r["errors"]
-    for mode in ("eager", "static"):
-        assert r["latency"][mode]["decode_tok_s"] > 0 and r["latency"][mode]["prefill_s"] > 0
+    for mode in ("eager", "static"):  # (decode = total - prefill: too noisy to check on a tiny model)
+        lat = r["latency"][mode]
+        assert lat["latency_s"] > 0 and lat["prefill_s"] > 0 and lat["output_tok_s"] > 0 and "decode_tok_s" in lat
     assert r["throughput"]["batch"] == 3 and r["throughput"]["output_tok_s"] > 0
     assert os.path.exists(out) and r["num_params"] > 0
 

@@ -126,6 +126,13 @@ def test_disabled_wrapper_is_not_used():
     json.dumps(st)
 
 
+def _llm(path, **kw):
+    from turnout.engine.llm import LLM
+    from turnout.entrypoints.bench_cmd import NullTokenizer
+
+    return LLM(path, tokenizer=NullTokenizer(), **kw)
+
+
 def _tiny_dir(tmp_path, **over):
     d = tmp_path / "tiny"
     d.mkdir(exist_ok=True)
@@ -156,9 +163,7 @@ MAX_TOKENS = [6, 10, 14]  # lanes finish at different steps: the batch shrinks 3
 def test_runner_graph_path_matches_eager_cpu(tmp_path):
     """The runner's hook with the wrapper on (replay = eager on the static buffers) gives the same greedy
     tokens as the plain eager path of the same engine: padding, slots and block tables are right."""
-    from turnout.engine.llm import LLM
-
-    llm = LLM(_tiny_dir(tmp_path), load_format="dummy", dtype="float32", device="cpu", max_model_len=64,
+    llm = _llm(_tiny_dir(tmp_path), load_format="dummy", dtype="float32", device="cpu", max_model_len=64,
               max_num_seqs=8, kv_cache_memory=1 << 22, block_size=4, enable_prefix_caching=False)
     runner = llm.engine.runner
     assert runner.graphs is None  # CPU: eager
@@ -174,9 +179,7 @@ def test_runner_graph_path_matches_eager_cpu(tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_graphs_capture_and_match_eager(tmp_path):
-    from turnout.engine.llm import LLM
-
-    llm = LLM(_tiny_dir(tmp_path), load_format="dummy", dtype="float32", device="auto", max_model_len=64,
+    llm = _llm(_tiny_dir(tmp_path), load_format="dummy", dtype="float32", device="auto", max_model_len=64,
               max_num_seqs=8, kv_cache_memory=1 << 24, block_size=16, enable_prefix_caching=False)
     runner = llm.engine.runner
     assert runner.graphs is not None, "graphs were not set up on a GPU"
@@ -189,3 +192,24 @@ def test_cuda_graphs_capture_and_match_eager(tmp_path):
     eager = _generate(llm, PROMPTS, MAX_TOKENS)
     runner.graphs = saved
     assert graphed == eager
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_capture_failure_falls_back_to_eager(tmp_path, caplog):
+    """The reference paged_attention reads lengths with .tolist() (a host sync): capture must fail, say
+    why once, and leave an engine that decodes eagerly with the same tokens as --enforce-eager."""
+    import logging
+
+    kw = dict(load_format="dummy", dtype="float32", device="auto", max_model_len=64, max_num_seqs=4,
+              kv_cache_memory=1 << 24, enable_prefix_caching=False, ops_policy="paged_attention=reference.torch")
+    with caplog.at_level(logging.WARNING, logger="turnout.engine.cuda_graphs"):
+        llm = _llm(_tiny_dir(tmp_path), **kw)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and not graphs.enabled and graphs.disabled_reason
+    assert sum("CUDA graphs disabled" in r.message for r in caplog.records) == 1
+    _spread_weights(llm.engine.runner.model)
+    got = _generate(llm, PROMPTS[:2], MAX_TOKENS[:2])
+    assert graphs.num_replays == 0
+    eager = _llm(_tiny_dir(tmp_path), enforce_eager=True, **kw)
+    _spread_weights(eager.engine.runner.model)
+    assert _generate(eager, PROMPTS[:2], MAX_TOKENS[:2]) == got

@@ -98,6 +98,33 @@ def resolve_model(model: str | None) -> tuple[str | None, bool]:
     return model, False
 
 
+def has_tokenizer_files(path: str | None) -> bool:
+    if path is None or not Path(path).is_dir():
+        return True  # the loader finds one (embedded default, GGUF, hub)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any((Path(path) / n).is_file() for n in names)
+
+
+class NullTokenizer:
+    """For config-only models: prompts are token ids and outputs need no text. The engine handles a
+    missing tokenizer itself; this stand-in only keeps the benchmarks independent of that path."""
+
+    eos_token_id = None
+    pad_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens: bool = True, **kw) -> str:
+        return ""
+
+    def encode(self, text, **kw):
+        raise ValueError("this model has no tokenizer: give prompts as token ids")
+
+
+def bench_tokenizer(path: str | None):
+    """What to pass as ``tokenizer=`` for a benchmark engine: None (the model's own) or the stand-in."""
+    return None if has_tokenizer_files(path) else NullTokenizer()
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
@@ -166,7 +193,7 @@ def build_llm(args, batch: int):
               max_num_batched_tokens=max_tokens, kv_cache_memory=args.kv_cache_memory,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
               load_format=load_format, seed=args.seed, ops_policy=args.ops_policy, block_size=args.block_size,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, tokenizer=bench_tokenizer(path))
     return llm, path, load_format, time.perf_counter() - t0
 
 
