@@ -19,9 +19,9 @@ def _f16(x: float) -> bytes:
     return np.float16(x).tobytes()
 
 
-def _k_blocks(kind, rows: int) -> tuple[np.ndarray, float, float]:
+def _k_blocks(kind, rows: int) -> tuple[np.ndarray, float]:
     """Hand-built K-quant super-blocks (256 values) whose every value is known; gguf cannot quantise
-    these types, so the bytes are laid out here. Returns (bytes [rows, bytes], value, -)."""
+    these types, so the bytes are laid out here. Returns (bytes [rows, row bytes], the value)."""
     if kind == Q.Q4_K:  # d, dmin, 12 scale bytes (6-bit sc/m pairs), 128 nibble bytes
         scales = bytes([1] * 4 + [1] * 4 + [0x11] * 4)  # sc = 1, m = 1 for all 8 sub-blocks
         block = _f16(0.5) + _f16(0.25) + scales + bytes([0x77] * 128)
