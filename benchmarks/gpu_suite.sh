@@ -90,15 +90,16 @@ EOF
 # 1. GPU tests. Server tests need fastapi; their collection errors must not stop the rest.
 PT_TIMEOUT=()
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then PT_TIMEOUT=(--timeout 120); fi
-step pytest_gpu 80 "$PY" -m pytest -q -m gpu tests/ --maxfail=5 --continue-on-collection-errors -p no:cacheprovider \
+step pytest_gpu 75 "$PY" -m pytest -q -m gpu tests/ --maxfail=5 --continue-on-collection-errors -p no:cacheprovider \
   ${PT_TIMEOUT[@]+"${PT_TIMEOUT[@]}"} --junitxml="$OUT/pytest_gpu.xml"
 
 # 2. Conformance suite on CUDA (JSON on stdout).
-step ops_check 45 bash -c "\"$PY\" -m turnout.entrypoints.cli ops --check --json >\"$OUT/ops_check.json\""
+step ops_check 70 bash -c "exec \"$PY\" -m turnout.entrypoints.cli ops --check --json >\"$OUT/ops_check.json\""
 
 # 3. Kernel micro-benchmarks (another engineer's script; skipped when absent).
 if [[ -f benchmarks/kernels.py ]]; then
-  step kernels 60 "$PY" benchmarks/kernels.py ${KERNELS_ARGS:-}
+  # KERNELS_ARGS replaces the defaults (the PyTorch reference peer is slow: skipped unless asked for).
+  step kernels 50 "$PY" benchmarks/kernels.py ${KERNELS_ARGS:---no-reference --json "$OUT/kernels.json"}
 else
   printf '{"step":"kernels","status":"skipped","reason":"benchmarks/kernels.py not found"}\n' >>"$STEPS"
 fi
@@ -107,17 +108,17 @@ BENCH=("$PY" -m turnout.entrypoints.bench_cmd --log-level INFO)
 # 4-5. Batch-1 latency, graphs on then off.
 step lat_graphs 75 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
   --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" --num-iters 3 --output-json "$OUT/lat_graphs.json"
-step lat_eager 55 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+step lat_eager 50 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
   --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" --num-iters 2 --enforce-eager --output-json "$OUT/lat_eager.json"
 
 # 6. Offline throughput.
 if [[ "$QUICK" == 1 ]]; then NUM_PROMPTS=${NUM_PROMPTS:-128}; else NUM_PROMPTS=${NUM_PROMPTS:-512}; fi
-step throughput 140 "${BENCH[@]}" throughput --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+step throughput 130 "${BENCH[@]}" throughput --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
   --num-prompts "$NUM_PROMPTS" --input-len "$THR_IN" --output-len "$THR_OUT" --max-num-seqs 256 \
   --max-num-batched-tokens 16384 --output-json "$OUT/throughput.json"
 
 # 7. Prefill of 8 x 2048 tokens in one step.
-step prefill 50 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+step prefill 45 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
   --batch-size "$PF_BATCH" --input-len "$PF_IN" --output-len 1 --num-iters 3 --max-num-batched-tokens 16384 \
   --output-json "$OUT/prefill.json"
 

@@ -162,7 +162,8 @@ def build(out: str) -> dict:
                           "max_error": {f"{s.get('op')}/{s.get('impl')}": s.get("max_error") for s in ops}}
     elif ops is not None:
         r["ops_check"] = ops
-    r["kernels"] = _json_lines(os.path.join(out, "kernels.log"))
+    r["kernels"] = _load_json(os.path.join(out, "kernels.json"), problems) or _json_lines(
+        os.path.join(out, "kernels.log"))
     for name in BENCH_FILES + ("hf_peer",):
         r[name] = _load_json(os.path.join(out, f"{name}.json"), problems)
     for s in r["steps"]:  # failed steps: the end of their log says why
