@@ -196,7 +196,7 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     else:
         num_splits = 1
         ws_o, ws_lse = out.view(num_tokens, hq, 1, head_dim), out  # unused
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    precision = "ieee" if query.dtype == torch.float32 else None  # None: the target's default for half types
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_Q"]), batch, hk * num_head_tiles * num_splits)
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, ws_o, ws_lse,
