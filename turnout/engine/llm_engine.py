@@ -54,6 +54,13 @@ class _Request:
         return len(self.completions) == self.params.n and all(c.finish_reason for c in self.completions.values())
 
 
+def _display_name(model: str | None, loaded) -> str:
+    """The id clients use: the model argument as given (as vLLM), or the default model's name."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return model
+
+
 class _NoText:
     """The detokenizer of a model without a tokenizer: token ids only."""
 
@@ -88,7 +95,7 @@ class LLMEngine:
                             seed=config.seed, tokenizer=config.tokenizer)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
-        self.model_name = config.served_model_name or loaded.description
+        self.model_name = config.served_model_name or _display_name(config.model, loaded)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len) \
             if config.max_model_len is None else config.max_model_len
         if config.max_model_len is not None and config.max_model_len > loaded.max_model_len:

@@ -61,7 +61,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     probs = sorted_logits.softmax(-1)
     # Keep a token if the mass strictly before it is still below top_p.
     before = probs.cumsum(-1) - probs
-    mask = mask | ((before >= top_p.float()[:, None]) & (rank > 0))
+    # top_p >= 1 is off (a float cumsum can reach 1.0 before the tail; that must not cut it)
+    mask = mask | ((before >= top_p.float()[:, None]) & (rank > 0) & (top_p.float()[:, None] < 1.0))
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     probs = sorted_logits.softmax(-1)
     mask = mask | (probs < min_p.float()[:, None] * probs[:, :1])
