@@ -66,7 +66,7 @@ class _NoText:
 
     stopped = None
 
-    def add(self, token_id: int) -> str:
+    def add(self, token_id: int, check_stop: bool = True) -> str:
         return ""
 
     def flush(self) -> str:
