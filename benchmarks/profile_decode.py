@@ -1,0 +1,47 @@
+"""Where a decode step's GPU time goes: torch.profiler over N engine steps (dummy weights).
+
+    python benchmarks/profile_decode.py [--model qwen3-8b] [--batch 1] [--steps 32] [--enforce-eager]
+Prints the top CUDA kernels by total time and the share of the step each takes.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main():
+    from turnout import LLM, SamplingParams
+    from turnout.entrypoints.bench_cmd import resolve_model
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+    llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16", max_model_len=1024,
+              max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5)
+    eng = llm.engine
+    g = torch.Generator().manual_seed(0)
+    p = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
+    for i in range(args.batch):
+        eng.add_request(str(i), torch.randint(0, 1000, (args.input_len,), generator=g).tolist(), p)
+    for _ in range(4):  # prefill + warm decode steps
+        eng.step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(args.steps):
+            eng.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
