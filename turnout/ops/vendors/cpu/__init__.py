@@ -1,11 +1,19 @@
-"""vendor.cpu: CPU paths through torch's own optimised kernels (SDPA's flash kernel for CPU, argmax).
+"""vendor.cpu: CPU paths through torch's own optimised kernels (SDPA's flash kernel for CPU, fused
+rms_norm, index_copy_, argmax), fewer temporaries than the reference.
 
 Only the platform ``cpu``; nothing here is imported until probed.
 """
 
 from turnout.ops.spec import Impl
 
-OPS = {"paged_attention": "attention:paged_attention", "sample": "sampling:sample"}
+OPS = {
+    "paged_attention": "attention:paged_attention",
+    "sample": "sampling:sample",
+    "rms_norm": "norm:rms_norm",
+    "fused_add_rms_norm": "norm:fused_add_rms_norm",
+    "rotary_embedding": "rotary:rotary_embedding",
+    "reshape_and_cache": "cache:reshape_and_cache",
+}
 
 
 def register(registry) -> None:

@@ -1,0 +1,24 @@
+"""RoPE on CPU with fewer temporaries: the rotated halves are written back in place."""
+
+import torch
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache, is_neox: bool) -> None:
+    rot = cos_sin_cache.shape[-1]
+    half = rot // 2
+    cs = cos_sin_cache.index_select(0, positions.long())
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+    for t in (query, key):
+        if is_neox:
+            x1, x2 = t[..., :half], t[..., half:rot]
+        else:
+            x1, x2 = t[..., 0:rot:2], t[..., 1:rot:2]
+        if t.dtype == torch.float32:
+            o1 = torch.addcmul(x1 * cos, x2, sin, value=-1.0)
+            x2.copy_(torch.addcmul(x2 * cos, x1, sin))
+            x1.copy_(o1)
+        else:
+            f1, f2 = x1.float(), x2.float()
+            x1.copy_(f1 * cos - f2 * sin)
+            x2.copy_(f2 * cos + f1 * sin)
