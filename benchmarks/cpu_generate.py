@@ -67,7 +67,10 @@ def bench_hf(prompts, new_tokens):
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    # ignore EOS as turnout's ignore_eos does: no EOS id in the generation config (min_new_tokens would
+    # instead forbid EOS, changing the greedy tokens wherever EOS is the argmax)
+    model.generation_config.eos_token_id = None
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     with torch.inference_mode():
         enc = tok(prompts[:1], return_tensors="pt")
         model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
