@@ -10,16 +10,22 @@
    pair's own row (no atomics: the result is deterministic).
 4. out = sum over the k slots of each token, in float32.
 
+Few tokens (decode: T * k within a few pairs per expert, decided from host ints) take
+``moe_decode.moe_experts_decode`` instead: no sort, each active expert's weights streamed once.
+
 The routing is consumed as given: this file never looks at scores or recomputes top-k (seed 001).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from turnout.ops.triton.moe_decode import moe_experts_decode, use_decode
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -132,9 +138,28 @@ def _down_weighted_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_pt
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n1: int  # gate/up: columns of I per program (two accumulators, gate and up)
+    block_k1: int
+    block_n2: int  # down: columns of H per program
+    block_k2: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
+    """Tiles from the mean pairs per expert (host ints). Few rows per expert: BLOCK_M 16 and tiles that
+    stream the weights (wide K, deep pipeline); many: big tiles that reuse them (Hopper-sized)."""
     per_expert = num_pairs / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    if per_expert <= 16:
+        return GemmConfig(16, 32, 128, 64, 128, num_warps=4, num_stages=4)
+    if per_expert <= 48:
+        return GemmConfig(32, 64, 128, 128, 128, num_warps=4, num_stages=3)
+    if per_expert <= 96:
+        return GemmConfig(64, 64, 64, 128, 64, num_warps=4, num_stages=4)
+    return GemmConfig(128, 64, 64, 128, 64, num_warps=8, num_stages=4)
 
 
 def _tile(n: int, cap: int) -> int:
@@ -149,6 +174,21 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(hidden)
+    if use_decode(num_tokens, top_k, num_experts):
+        return moe_experts_decode(hidden, w13, w2, topk_weights, topk_ids)
+    return moe_experts_grouped(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def moe_experts_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """The sorted, block-aligned grouped-GEMM path (any T; the one used beyond decode sizes)."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
     hidden = hidden.contiguous()
     w13 = w13.contiguous()
     w2 = w2.contiguous()
@@ -156,16 +196,17 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if num_pairs == 0:
         return torch.zeros_like(hidden)
 
-    block_m = _block_m(num_pairs, num_experts)
+    cfg = config or gemm_config(num_pairs, num_experts)
+    block_m = cfg.block_m
     sorted_pairs, block_expert = align_block_size(topk_ids, num_experts, block_m)
     num_blocks = block_expert.numel()
     # fp32 must not silently become tf32; the interpreter's dot is unreliable below fp32.
     precision = "ieee" if hidden.dtype == torch.float32 else None  # None: the target's default
     upcast = _INTERPRET and hidden.dtype == torch.bfloat16
-    num_warps, num_stages = 4, (1 if _INTERPRET else 3)
+    num_warps, num_stages = cfg.num_warps, (1 if _INTERPRET else cfg.num_stages)
 
     act = torch.empty(sorted_pairs.numel(), inter, dtype=hidden.dtype, device=hidden.device)  # [R, I]
-    bn1, bk1 = _tile(inter, 64), _tile(hidden_size, 64)
+    bn1, bk1 = _tile(inter, cfg.block_n1), _tile(hidden_size, cfg.block_k1)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, bn1))](
         hidden, w13, act, sorted_pairs, block_expert, num_pairs, top_k, hidden_size, inter,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
@@ -174,7 +215,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 
     # Rows of pairs whose expert is not held here are never written: zeros.
     pair_out = torch.zeros(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)  # [N, H]
-    bn2, bk2 = _tile(hidden_size, 64), _tile(inter, 64)
+    bn2, bk2 = _tile(hidden_size, cfg.block_n2), _tile(inter, cfg.block_k2)
     _down_weighted_kernel[(num_blocks, triton.cdiv(hidden_size, bn2))](
         act, w2, pair_out, weights, sorted_pairs, block_expert, num_pairs, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
