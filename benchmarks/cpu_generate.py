@@ -77,12 +77,13 @@ def bench_hf(prompts, new_tokens):
         t0 = time.perf_counter()
         g = model.generate(**enc, **kw)
         b1 = time.perf_counter() - t0
+        b1_tokens = g[0, enc["input_ids"].shape[1]:].tolist()
         enc = tok(prompts, return_tensors="pt", padding=True)
         t0 = time.perf_counter()
         model.generate(**enc, **kw)
         thr = time.perf_counter() - t0
     return {"load_s": load_s, "b1_tok_s": new_tokens / b1, "thr_tok_s": len(prompts) * new_tokens / thr,
-            "weights": weight_bytes(model), "b1_tokens": g[0, enc["input_ids"].shape[1]:].tolist()}
+            "weights": weight_bytes(model), "b1_tokens": b1_tokens}
 
 
 def main():
