@@ -4,13 +4,13 @@ At decode the (token, slot) pairs are few (T * k of them) and most experts get o
 sort-and-align preamble of the grouped GEMM (a dozen torch ops) and its BLOCK_M padding cost more than the
 GEMMs. Here every program finds its own rows:
 
-* a program owns one expert and one N-tile of its weights. The grid is ``(min-ish(E, T*k), N tiles)``:
+* a program owns one expert and one N-tile of its weights. The grid is ``(min(E, T*k), N tiles)``:
   ``BY_SLOT`` (T*k < E): program s takes the expert of flat slot s if s is the first slot naming that
   expert (duplicates and ids outside [0, E) exit at once); otherwise program e takes expert e. Either way
   the grid is a function of T, k and E only (CUDA-graph capturable, no host sync).
-* it loads all T*k ids (a few hundred bytes, from L2), ranks the pairs naming its expert with a cumsum
-  and gathers them BLOCK_M at a time (one chunk at decode), then streams its weight tile once with
-  pipelined wide loads; tl.dot with M = BLOCK_M (16) costs nothing next to the weight reads.
+* it scans the T*k ids (a few hundred bytes, from L2) SCAN at a time, ranks the pairs naming its expert
+  with a cumsum and gathers them BLOCK_M at a time (one chunk at decode), then streams its weight tile
+  with pipelined 16-byte loads (cp.async); tl.dot with M = BLOCK_M (16) costs nothing next to the reads.
 
 1. ``_decode_gate_up_kernel``: act[pair] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T)  [T*k, I]
 2. ``_decode_down_kernel``: pair_out[pair] = weight[pair] * act[pair] @ w2[e].T  fp32 [T*k, H]
