@@ -40,6 +40,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = self.hf_config.vocab_size
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(self.hf_config)
+        if self.device.type == "cpu":
+            from turnout.layers.linear import use_k_major_weights
+
+            use_k_major_weights(self.model)  # faster CPU GEMMs for decode-shaped batches
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]
