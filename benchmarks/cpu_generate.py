@@ -17,6 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_bandwidth, gemm_tflops, machine, report  # noqa: E402
 
+REPEATS = 2
+
 TOPICS = ["the ocean", "a city at night", "how engines work", "the history of tea", "prime numbers", "a forest",
           "learning a language", "the moon landing", "bread baking", "a chess game", "volcanoes", "a train journey"]
 
@@ -42,12 +44,14 @@ def bench_turnout(prompts, new_tokens):
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    t0 = time.perf_counter()
-    out = llm.generate(prompts[0], params)
-    b1 = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    thr = time.perf_counter() - t0
+    b1, thr = float("inf"), float("inf")
+    for _ in range(REPEATS):  # best of REPEATS: shared VMs are noisy
+        t0 = time.perf_counter()
+        out = llm.generate(prompts[0], params)
+        b1 = min(b1, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        thr = min(thr, time.perf_counter() - t0)
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"load_s": load_s, "b1_tok_s": len(out[0].outputs[0].token_ids) / b1, "thr_tok_s": n / thr,
             "weights": weight_bytes(llm.engine.runner.model), "b1_tokens": out[0].outputs[0].token_ids}
@@ -74,14 +78,16 @@ def bench_hf(prompts, new_tokens):
     with torch.inference_mode():
         enc = tok(prompts[:1], return_tensors="pt")
         model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-        t0 = time.perf_counter()
-        g = model.generate(**enc, **kw)
-        b1 = time.perf_counter() - t0
+        b1, thr = float("inf"), float("inf")
+        enc_all = tok(prompts, return_tensors="pt", padding=True)
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            g = model.generate(**enc, **kw)
+            b1 = min(b1, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            model.generate(**enc_all, **kw)
+            thr = min(thr, time.perf_counter() - t0)
         b1_tokens = g[0, enc["input_ids"].shape[1]:].tolist()
-        enc = tok(prompts, return_tensors="pt", padding=True)
-        t0 = time.perf_counter()
-        model.generate(**enc, **kw)
-        thr = time.perf_counter() - t0
     return {"load_s": load_s, "b1_tok_s": new_tokens / b1, "thr_tok_s": len(prompts) * new_tokens / thr,
             "weights": weight_bytes(model), "b1_tokens": b1_tokens}
 
@@ -91,7 +97,10 @@ def main():
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--repeats", type=int, default=2, help="best of N timings per measurement")
     args = ap.parse_args()
+    global REPEATS
+    REPEATS = max(1, args.repeats)
     prompts = make_prompts(args.prompts)
     cpu = torch.device("cpu")
     bw = copy_bandwidth(cpu)
@@ -105,7 +114,7 @@ def main():
     for r in rows:
         r["b1_GB_s"] = r["weights"] * r["b1_tok_s"] / 1e9
         r["b1_frac_copy_bw"] = r["b1_GB_s"] / bw
-    extra = {"machine": machine(), "copy_GB_s": bw, "gemm_fp32_GFLOP_s": gflops, "prompts": args.prompts,
+    extra = {"machine": machine(), "repeats": REPEATS, "copy_GB_s": bw, "gemm_fp32_GFLOP_s": gflops, "prompts": args.prompts,
              "new_tokens": args.new_tokens}
     if not args.skip_hf:
         extra["b1_speedup_vs_hf"] = tu["b1_tok_s"] / hf["b1_tok_s"]
