@@ -249,20 +249,5 @@ def test_gpu_sample_matches_reference_full_vocab():
             torch.randint(0, 2**62, (b,), generator=g).cuda(), torch.randint(0, 4096, (b,), generator=g).cuda())
     args[1][::4] = 0.0
     got, want = sampling.sample(*args), ref_sampling.sample(*args)
-    greedy = args[1] == 0
-    assert torch.equal(got[greedy], want[greedy]), "greedy rows must match exactly"
-    # Sampled rows: the kernel sums top-p mass in another order than torch.cumsum, so a token sitting
-    # on the top-p / min-p boundary may go the other way. A mismatch must be reproduced by the
-    # reference itself with the boundary moved by float-rounding slack; and it must be rare.
-    bad = (got != want).nonzero()[:, 0].tolist()
-    assert len(bad) <= 1, f"{len(bad)} of {b} rows differ"
-    for r in bad:
-        row = [a[r:r + 1] for a in args]
-        explained = False
-        for dp in (-1e-5, 1e-5):
-            for dm in (-1e-6, 0.0, 1e-6):
-                alt = list(row)
-                alt[3] = (row[3] + dp).clamp(max=1.0)
-                alt[4] = (row[4] + dm).clamp(min=0.0)
-                explained |= ref_sampling.sample(*alt).item() == got[r].item()
-        assert explained, f"row {r}: kernel token {got[r].item()} is not the reference's under any boundary slack"
+    mismatches = (got != want).sum().item()
+    assert mismatches == 0, f"{mismatches} of {b} rows differ"

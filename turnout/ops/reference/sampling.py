@@ -31,10 +31,12 @@ def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u [B, V] in (0, 1): 24 bits of hash(row key, token id)."""
+    """u [B, V] in (0, 1): 23 bits of hash(row key, token id)."""
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     h = mix32(row_keys(seeds, steps)[:, None] ^ ((idx * GOLDEN) & M32)[None, :])
-    return ((h >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    # 23 bits: the largest u is 1 - 2^-24, exact in float32. (24 bits would round the top value to
+    # 1.0, making E = -0.0 and p / E = NaN for a masked token, which argmax would then pick.)
+    return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -191,7 +191,7 @@ def _sample_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, STEPS, OUT, V, stri
             keep = ok & ((key > tau) | (at & (tie_rank < n_tau))) & (p >= min_p)
             p = tl.where(keep, p, 0.0)
             h = _mix32(row_key ^ (offs.to(tl.uint32) * golden))
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits: u < 1 exactly
             r = tl.div_rn(p, -tl.log(u))
             r = tl.where(ok, r, -1.0)
             cmax = tl.max(r, 0)
