@@ -124,7 +124,6 @@ class LLMEngine:
                 ids.add(src)
             elif isinstance(src, (list, tuple)):
                 ids.update(i for i in src if isinstance(i, int))
-        gen = getattr(self.hf_config, "generation_config", None)
         return ids
 
     # ---- requests --------------------------------------------------------------------------
