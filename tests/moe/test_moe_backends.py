@@ -103,7 +103,7 @@ def test_backend_uses_the_given_routing(impl, dtype):
 
 def _ops_pinned(impl: str):
     return resolve(PLATFORM, Policy.parse(f"moe_experts={impl}"), registry=REGISTRY,
-                   ops=["moe_experts", "silu_and_mul"])
+                   ops=["moe_experts", "silu_and_mul", "select_experts"])
 
 
 def _random_block(gen, dtype, **kw):

@@ -28,9 +28,10 @@ from turnout.layers.moe.router import RoutingConfig, select_experts
 class Router(nn.Module):
     """``weight`` [E, H]; optional ``e_score_correction_bias`` [E] and ``per_expert_scale`` [E] (float32)."""
 
-    def __init__(self, hidden_size: int, routing: RoutingConfig, logits_fp32: bool = False):
+    def __init__(self, hidden_size: int, routing: RoutingConfig, logits_fp32: bool = False, ops=None):
         super().__init__()
         self.routing = routing
+        self.ops = ops
         self.logits_fp32 = logits_fp32
         e = routing.num_experts
         # A float32 gate (DeepSeek-V3 / GLM-4.5) keeps the choice among near-equal sigmoid scores stable.
@@ -51,7 +52,8 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.weight.float())  # [T, E]
         else:
             logits = F.linear(x, self.weight)
-        return select_experts(logits, self.routing, self.e_score_correction_bias, self.per_expert_scale)
+        return select_experts(logits, self.routing, self.e_score_correction_bias, self.per_expert_scale,
+                              ops=self.ops)
 
 
 class SharedExpertMLP(nn.Module):
@@ -82,7 +84,7 @@ class SparseMoeBlock(nn.Module):
                  router_logits_fp32: bool = False):
         super().__init__()
         self.routing = routing
-        self.gate = Router(hidden_size, routing, logits_fp32=router_logits_fp32)
+        self.gate = Router(hidden_size, routing, logits_fp32=router_logits_fp32, ops=ops)
         expert_dim = latent_size or hidden_size
         self.latent = latent_size is not None and latent_size != hidden_size
         if self.latent:

@@ -141,36 +141,22 @@ def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
                    e_score_correction_bias: torch.Tensor | None = None,
-                   per_expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]), ids by descending choice."""
+                   per_expert_scale: torch.Tensor | None = None, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]), ids by descending choice.
+
+    THE routing decision. It is the dispatch layer's op ``select_experts`` (its PyTorch reference in
+    ``turnout/ops/reference/routing.py`` states the rules; Triton and vendor implementations are
+    conformance-tested against it). ``ops``: the engine's op table; without one, the reference runs.
+    """
     if router_logits.dim() != 2 or router_logits.shape[-1] != cfg.num_experts:
         raise ValueError(f"router_logits must be [T, {cfg.num_experts}], got {tuple(router_logits.shape)}")
-    logits = router_logits.float()
-    num_tokens, num_experts = logits.shape
+    fn = ops.select_experts if ops is not None else _reference_select_experts()
+    return fn(router_logits, cfg.top_k, cfg.scoring, cfg.softmax_after_topk, cfg.n_group, cfg.topk_group,
+              cfg.renormalize, cfg.routed_scaling_factor, e_score_correction_bias, per_expert_scale)
 
-    if cfg.softmax_after_topk:
-        top_logits, topk_ids = stable_topk(logits, cfg.top_k)
-        topk_weights = torch.softmax(top_logits, dim=-1)
-    else:
-        scores = torch.softmax(logits, dim=-1) if cfg.scoring == "softmax" else torch.sigmoid(logits)
-        choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
-        if cfg.grouped:
-            grouped = choice.view(num_tokens, cfg.n_group, num_experts // cfg.n_group)
-            if e_score_correction_bias is not None:
-                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
-            else:
-                group_scores = grouped.amax(dim=-1)  # [T, n_group]
-            _, kept_groups = stable_topk(group_scores, cfg.topk_group)
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
-            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
-            choice = choice.masked_fill(~expert_mask, float("-inf"))
-        _, topk_ids = stable_topk(choice, cfg.top_k)
-        topk_weights = scores.gather(1, topk_ids)
 
-    if cfg.renormalize and not cfg.softmax_after_topk:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    if cfg.routed_scaling_factor != 1.0:
-        topk_weights = topk_weights * cfg.routed_scaling_factor
-    if per_expert_scale is not None:
-        topk_weights = topk_weights * per_expert_scale.float()[topk_ids]
-    return topk_weights.contiguous(), topk_ids.to(torch.int32).contiguous()
+def _reference_select_experts():
+    """Without an engine's op table: the op's declared reference, looked up by name in the registry."""
+    from turnout.ops import default_registry
+
+    return default_registry().ops["select_experts"].reference

@@ -4,8 +4,8 @@ from turnout.ops.spec import OpSpec
 
 
 def all_specs() -> list[OpSpec]:
-    from turnout.ops.reference import activation, attention, cache, moe, norm, rotary, sampling
+    from turnout.ops.reference import activation, attention, cache, moe, norm, rotary, routing, sampling
 
     return [norm.RMS_NORM, norm.FUSED_ADD_RMS_NORM, rotary.ROTARY_EMBEDDING, activation.SILU_AND_MUL,
             cache.RESHAPE_AND_CACHE, cache.COPY_BLOCKS, cache.SWAP_BLOCKS, attention.PAGED_ATTENTION,
-            sampling.SAMPLE, moe.MOE_EXPERTS]
+            sampling.SAMPLE, moe.MOE_EXPERTS, routing.SELECT_EXPERTS]

@@ -22,6 +22,7 @@ KERNELS: dict[str, str] = {
     "paged_attention": "attention:paged_attention",
     "sample": "sampling:sample",
     "moe_experts": "moe:moe_experts",
+    "select_experts": "routing:select_experts",
 }
 
 
