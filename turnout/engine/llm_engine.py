@@ -54,6 +54,24 @@ class _Request:
         return len(self.completions) == self.params.n and all(c.finish_reason for c in self.completions.values())
 
 
+def _context_limit(requested: int | None, loaded) -> int:
+    """The longest context served exactly. Sliding-window attention (Mistral v0.1, Mixtral) is not
+    implemented, so such models are capped at their window, where full attention computes the same."""
+    limit = loaded.max_model_len
+    cfg = loaded.hf_config
+    window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", True) and isinstance(window, int) and 0 < window < limit:
+        logger.warning("this model uses sliding-window attention (window %d tokens), which turnout does not "
+                       "implement yet: contexts are capped at %d tokens, where full attention is exact",
+                       window, window)
+        limit = window
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len: {requested} exceeds what this model serves exactly ({limit} tokens)")
+    return requested
+
+
 def _display_name(model: str | None, loaded) -> str:
     """The id clients use: the model argument as given (as vLLM), or the default model's name."""
     if model is None:
@@ -96,10 +114,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.model_name = config.served_model_name or _display_name(config.model, loaded)
-        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len) \
-            if config.max_model_len is None else config.max_model_len
-        if config.max_model_len is not None and config.max_model_len > loaded.max_model_len:
-            logger.warning("max_model_len %d exceeds the model's %d", config.max_model_len, loaded.max_model_len)
+        self.max_model_len = _context_limit(config.max_model_len, loaded)
         self.runner = ModelRunner(config, self.platform, self.ops, loaded)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
