@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from turnout.layers.moe.router import RoutingConfig, select_experts, stable_topk
+from turnout.layers.moe.router import RoutingConfig, select_experts
+from turnout.ops.reference.routing import stable_topk
 
 
 def _by_id(weights, ids):

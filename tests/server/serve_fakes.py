@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from turnout.engine.llm_engine import EngineStats
 from turnout.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -35,16 +36,6 @@ class FakeOps:
     def report(self):
         return [{"op": "rms_norm", "chosen": "reference.torch", "candidates": []},
                 {"op": "sample", "chosen": "reference.torch", "candidates": []}]
-
-
-@dataclass
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions_total: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
 
 
 @dataclass

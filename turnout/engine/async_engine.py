@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from turnout.engine.llm_engine import EngineStats
 from turnout.engine.outputs import RequestOutput
 from turnout.engine.sampling_params import SamplingParams
 
@@ -44,19 +45,6 @@ class EngineObserver:
 
     def on_finished(self, e2e_s: float, finish_reason: str) -> None: ...
 
-
-@dataclass
-class StatsSnapshot:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions_total: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-
-    @classmethod
-    def of(cls, stats) -> "StatsSnapshot":
-        return cls(**{f.name: getattr(stats, f.name, 0) for f in dataclasses.fields(cls)})
 
 
 class RequestStream:
@@ -136,7 +124,7 @@ class AsyncLLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._unaccounted = 0  # admitted requests not yet visible in `stats`
         self._aborting = 0  # aborted by the caller, not yet freed by the engine thread
-        self.stats = StatsSnapshot()
+        self.stats = EngineStats()
         self.dead: BaseException | None = None
         self.draining = False
         self._stop = False
@@ -339,7 +327,7 @@ class AsyncLLMEngine:
             self._call_soon(t.stream._put, merged)
 
     def _publish_stats(self, added: int, aborted: int) -> None:
-        snap = StatsSnapshot.of(self.engine.get_stats())
+        snap = self.engine.get_stats()  # a fresh EngineStats each call
         with self._lock:
             self.stats = snap
             self._unaccounted -= added

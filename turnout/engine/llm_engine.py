@@ -28,12 +28,12 @@ class ContextLengthError(ValueError):
 
 @dataclass
 class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
     prefix_cache_hit_tokens_total: int = 0
 
 

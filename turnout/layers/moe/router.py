@@ -133,12 +133,6 @@ _FAMILIES = {
 }
 
 
-def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k along the last dim, largest first; equal values: the lower index first (deterministic)."""
-    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
-
-
 def select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
                    e_score_correction_bias: torch.Tensor | None = None,
                    per_expert_scale: torch.Tensor | None = None, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
