@@ -102,15 +102,26 @@ def implementations(platform, tokens: int, k: int, e: int):
 
 
 def sweep_configs():
-    from turnout.ops.triton.moe_decode import DecodeConfig
+    """Decode tile configs: the down kernel's grid first (gate/up at its default), then gate/up's."""
+    from turnout.ops.triton.moe_decode import DEFAULT_CONFIG, DecodeConfig
 
-    return {
-        "bn16/16 bk128 w4 s4": DecodeConfig(block_n1=16, block_n2=16),
-        "bn32/64 bk128 w4 s4": DecodeConfig(block_n2=64),
-        "bn32/32 bk256 w4 s3": DecodeConfig(block_k1=256, block_k2=256, num_stages=3),
-        "bn64/64 bk64 w4 s5": DecodeConfig(block_n1=64, block_k1=64, block_n2=64, block_k2=64, num_stages=5),
-        "bn32/32 bk128 w8 s4": DecodeConfig(num_warps=8),
-    }
+    out = {}
+    for bn in (32, 64, 128):
+        for bk in (64, 128, 256):
+            for st in (3, 4):
+                for w in (4, 8):
+                    if bn * bk > 128 * 128 and w == 4:
+                        continue
+                    out[f"down bn{bn} bk{bk} s{st} w{w}"] = DecodeConfig(
+                        block_n2=bn, block_k2=bk, num_stages2=st, num_warps2=w, num_warps=DEFAULT_CONFIG.num_warps)
+    for bn in (16, 32, 64):
+        for bk in (64, 128, 256):
+            for st in (3, 4, 5):
+                if bn * bk > 64 * 128 and st == 5:
+                    continue
+                out[f"gate_up bn{bn} bk{bk} s{st}"] = DecodeConfig(block_n1=bn, block_k1=bk, num_stages=st,
+                                                                   num_stages2=DEFAULT_CONFIG.num_stages)
+    return out
 
 
 def main():

@@ -23,8 +23,9 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: input-len + steps + 16, as bench")
     args = ap.parse_args()
-    llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16", max_model_len=1024,
+    llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len or args.input_len + args.steps + 16,
               max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
@@ -39,7 +40,7 @@ def main():
         for _ in range(args.steps):
             eng.step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     print(table)
 
 

@@ -70,7 +70,7 @@ class LLM:
         generated = 0
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished:
                         results[out.request_id] = out
                         if bar is not None:

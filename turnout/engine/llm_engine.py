@@ -235,7 +235,10 @@ class LLMEngine:
                            prefix_cache_hit_tokens_total=s.num_prefix_cached_tokens)
 
     # ---- the step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One scheduler step. Returns a RequestOutput for every request that got a token, or with
+        ``finished_only`` (offline callers that only collect results) just for the finished ones, which
+        skips copying every running request's tokens and text each step."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
@@ -287,6 +290,8 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = now
                 del self._requests[req.request_id]
+            elif finished_only:
+                continue
             outputs.append(self._request_output(req))
         return outputs
 

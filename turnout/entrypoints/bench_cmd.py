@@ -168,7 +168,7 @@ def run_to_completion(engine, prompts, params, tag: str) -> tuple[list[_Step], f
     while engine.has_unfinished_requests():
         before = engine.get_stats()
         t0 = time.perf_counter()
-        engine.step()
+        engine.step(finished_only=True)  # as LLM.generate: results only at the end
         dt = time.perf_counter() - t0
         after = engine.get_stats()
         steps.append(_Step(dt, after.prompt_tokens_total - before.prompt_tokens_total,

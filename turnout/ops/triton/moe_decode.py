@@ -42,10 +42,12 @@ class DecodeConfig:
     block_m: int = 16
     block_n1: int = 32  # gate/up: columns of I per program (two weight tiles: gate and up rows)
     block_k1: int = 128  # over H
-    block_n2: int = 32  # down: columns of H per program
+    block_n2: int = 128  # down: columns of H per program (K = I is short: wide tiles amortise the prologue)
     block_k2: int = 128  # over I
     num_warps: int = 4
     num_stages: int = 4
+    num_warps2: int | None = None  # down kernel (None: as gate/up)
+    num_stages2: int | None = 3
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -242,7 +244,7 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         SCAN=scan, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, BY_SLOT=by_slot,
         EVEN_K=inter % bk2 == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=stages)
+        num_warps=cfg.num_warps2 or cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages2 or stages)
     out = torch.empty_like(hidden)  # [T, H]
     block_h = min(1024, _pow2(hidden_size))
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
