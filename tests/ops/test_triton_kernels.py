@@ -69,7 +69,7 @@ def test_split_kv_decode_long_context_small_batch():
     # Long contexts, two sequences: the heuristic splits; forcing other split counts must agree.
     args = _paged([1, 1], [1500, 700], 8, 2, 32, 16, torch.float32, seed=1)
     want = ref_attn.paged_attention(*args)
-    assert attention.choose_num_splits(batch=2, kv_programs=2, max_query_len=1, max_seq_len=1500, num_sms=4) > 1
+    assert attention.choose_num_splits(batch=2, kv_programs=2, max_query_len=1, max_seq_len=1500, num_sms=8) > 1
     _close(attention.paged_attention(*args), want, 2e-5, 2e-5)
     for splits in (1, 4, 9):
         _close(attention.paged_attention_impl(*args, num_splits=splits), want, 2e-5, 2e-5)
@@ -85,7 +85,19 @@ def test_split_heuristic_leaves_large_batches_alone():
     assert attention.choose_num_splits(64, 8, 1, 4096, 132) == 1  # 512 programs fill an H200
     assert attention.choose_num_splits(4, 8, 1, 4096, 132) > 1
     assert attention.choose_num_splits(4, 8, 7, 4096, 132) == 1  # prefill: never
-    assert attention.choose_num_splits(1, 8, 1, 100, 132) == 1  # too short to split
+    assert attention.choose_num_splits(1, 8, 1, 64, 132) == 1  # one KV tile: nothing to split
+    assert attention.choose_num_splits(1, 8, 1, 200, 132) == 4  # batch 1: a split per 64-token tile
+    assert attention.choose_num_splits(32, 8, 1, 4096, 132) == 1  # 256 programs: one per SM already
+
+
+def test_split_count_fixed_for_a_graph_serves_short_and_long_contexts():
+    # A captured graph fixes the split count from max_model_len; each sequence cuts its own context
+    # into that many tile-aligned chunks: a 5-token context (one chunk, 15 empty splits), one just
+    # over a tile, and a long one, in one batch.
+    args = list(_paged([1, 1, 1], [5, 70, 1100], 8, 2, 32, 16, torch.float32, seed=3))
+    want = ref_attn.paged_attention(*args)
+    args[-2] = 4096  # max_seq_len as a graph captured at max_model_len 4096 passes it
+    _close(attention.paged_attention_impl(*args, num_splits=16), want, 2e-5, 2e-5)
 
 
 def test_paged_attention_large_gqa_group_spans_head_tiles():

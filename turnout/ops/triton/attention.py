@@ -22,18 +22,19 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# Decode only (max_query_len <= _SPLIT_MAX_Q) is split; each split gets at least this many KV tokens.
+# Decode only (max_query_len <= _SPLIT_MAX_Q) is split. The split count is fixed from host ints (so a
+# captured graph serves every context length); each sequence's own length is cut into that many chunks
+# of whole KV tiles at run time, so a short context still spreads over several programs.
 _SPLIT_MAX_Q = 1
-_MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
-# Aim for this many programs per SM before splitting stops paying.
+# Aim for this many programs per SM when splitting; with one program per SM already, do not split.
 _PROGRAMS_PER_SM = 2
 
 
 @triton.jit
 def _paged_attn_kernel(
         Q, K, V, O, BT, SEQ_LENS, QSL, WS_O, WS_LSE,
-        qk_scale, chunk, num_splits,
+        qk_scale, num_splits,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_bt, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
         G: tl.constexpr, G_TILE: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -65,7 +66,9 @@ def _paged_attn_kernel(
         # Keys this tile needs: up to the last valid token's position (causal), within this split.
         kv_hi = kv_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
         kv_lo = 0
-        if SPLIT:
+        if SPLIT:  # decode: this sequence's context in num_splits chunks of whole KV tiles (the last
+            # splits of a short context are empty: they store lse = -inf, which the merge weighs 0)
+            chunk = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
             kv_lo = split * chunk
             kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
 
@@ -134,18 +137,20 @@ def _split_reduce_kernel(WS_O, WS_LSE, O, num_splits, stride_wt, stride_wh, stri
 def _num_sms(device_type: str, index: int | None) -> int:
     if device_type == "cuda":
         return torch.cuda.get_device_properties(index or 0).multi_processor_count
-    return 4
+    return 8  # the interpreter: small enough that the tests' small batches still split
 
 
-def choose_num_splits(batch: int, kv_programs: int, max_query_len: int, max_seq_len: int, num_sms: int) -> int:
-    """How many programs share one sequence's context (1: no split). Host ints only."""
+def choose_num_splits(batch: int, kv_programs: int, max_query_len: int, max_seq_len: int, num_sms: int,
+                      min_split_tokens: int = 64) -> int:
+    """How many programs share one sequence's context (1: no split). Host ints only. At most one split
+    per ``min_split_tokens`` (the KV tile) of ``max_seq_len``."""
     if max_query_len > _SPLIT_MAX_Q:
         return 1
     programs = batch * kv_programs
-    target = _PROGRAMS_PER_SM * num_sms
-    if programs >= target:
+    if programs >= num_sms:
         return 1
-    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+    target = _PROGRAMS_PER_SM * num_sms
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, min_split_tokens), _MAX_SPLITS))
 
 
 def _tiles(max_query_len: int, group: int, head_dim: int) -> dict:
@@ -182,14 +187,9 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     num_head_tiles = triton.cdiv(group, cfg["G_TILE"])
     if num_splits is None:
         num_splits = choose_num_splits(batch, hk * num_head_tiles, max_query_len, max_seq_len,
-                                       _num_sms(query.device.type, query.device.index))
+                                       _num_sms(query.device.type, query.device.index), cfg["BLOCK_N"])
+    num_splits = min(num_splits, triton.cdiv(max_seq_len, cfg["BLOCK_N"]))  # no more splits than KV tiles
     split = num_splits > 1
-    chunk = max_seq_len
-    if split:
-        # Whole KV tiles per split, and no split left empty at max_seq_len.
-        chunk = triton.cdiv(triton.cdiv(max_seq_len, num_splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-        num_splits = triton.cdiv(max_seq_len, chunk)
-        split = num_splits > 1
     if split:
         ws_o = torch.empty((num_tokens, hq, num_splits, head_dim), dtype=torch.float32, device=query.device)
         ws_lse = torch.empty((num_tokens, hq, num_splits), dtype=torch.float32, device=query.device)
@@ -200,7 +200,7 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_Q"]), batch, hk * num_head_tiles * num_splits)
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, ws_o, ws_lse,
-        scale * LOG2E, chunk, num_splits,
+        scale * LOG2E, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0), ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), ws_lse.stride(1),
