@@ -23,18 +23,27 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--max-model-len", type=int, default=None, help="default: input-len + steps + 16, as bench")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: input-len + all steps + 16")
     args = ap.parse_args()
-    llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len or args.input_len + args.steps + 16,
-              max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5)
+    warm = 4 + (args.batch * args.input_len) // 2048  # prefill (chunked) + warm decode steps
+    max_tokens = warm + 2 * args.steps + 8
+    llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16",
+              max_model_len=args.max_model_len or args.input_len + max_tokens + 16, max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
-    p = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(args.batch):
         eng.add_request(str(i), torch.randint(0, 1000, (args.input_len,), generator=g).tolist(), p)
-    for _ in range(4):  # prefill + warm decode steps
+    for _ in range(warm):
         eng.step()
     torch.cuda.synchronize()
+    import time
+
+    t0 = time.perf_counter()
+    for _ in range(args.steps):  # wall time per step, no profiler
+        eng.step(finished_only=True)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(args.steps):
@@ -42,6 +51,10 @@ def main():
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     print(table)
+    # GPU busy time per step: the kernels' own time (a graph replay's kernels are listed one by one)
+    busy_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / args.steps
+    print(f"per step: wall {wall_ms:.3f} ms (no profiler), GPU busy {busy_ms:.3f} ms, "
+          f"host gap {wall_ms - busy_ms:.3f} ms ({100 * (wall_ms - busy_ms) / wall_ms:.0f}%)")
 
 
 if __name__ == "__main__":
