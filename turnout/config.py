@@ -21,6 +21,10 @@ class EngineConfig:
     seed: int = 0
     ops_policy: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
+    # Launch the next decode step before this one's tokens reach the host, so the host work of a step
+    # (scheduling, metadata, detokenising) overlaps the device's work. None: on where the device runs
+    # asynchronously to the host (GPUs), off on CPU (where it changes nothing but the order of work).
+    async_scheduling: bool | None = None
     tokenizer: str | None = None
     served_model_name: str | None = None
 

@@ -175,7 +175,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions and meta on the host (pinned): one async copy each into the static
-        buffers, then replay. Returns logits [n, vocab] f32, a view valid until the next replay."""
+        buffers, then replay. input_ids may also be on the device (a lookahead step's inputs: the
+        previous step's sampled tokens). Returns logits [n, vocab] f32, a view valid until the next replay."""
         n = int(input_ids.shape[0])
         b = bucket_for(n, self.buckets)
         width = int(meta.block_tables.shape[1])

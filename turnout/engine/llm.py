@@ -17,13 +17,13 @@ class LLM:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, load_format: str = "auto", seed: int = 0,
                  ops_policy: str | None = None, block_size: int = 16, enforce_eager: bool = False,
-                 tokenizer: str | None = None):
+                 tokenizer: str | None = None, async_scheduling: bool | None = None):
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                                    enable_prefix_caching=enable_prefix_caching, load_format=load_format, seed=seed,
                                    ops_policy=ops_policy, block_size=block_size, enforce_eager=enforce_eager,
-                                   tokenizer=tokenizer)
+                                   tokenizer=tokenizer, async_scheduling=async_scheduling)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

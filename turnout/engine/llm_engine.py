@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from turnout.config import EngineConfig
 from turnout.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from turnout.engine.sampling_params import SamplingParams
+from turnout.engine.sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,17 @@ class _NoText:
         return ""
 
 
+@dataclass
+class _Step:
+    """A launched step: what was scheduled, the sequences that draw a token (in row order), the
+    sampler's output on the device, and its copy on the host with the event that says it landed."""
+    out: object  # SchedulerOutput
+    lanes: list
+    result: object  # SamplerOutput (device)
+    host: object  # SamplerOutput (host; the same object where the device is the host)
+    ready: object = None  # torch.cuda.Event or None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         import torch
@@ -124,6 +136,9 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._async = self.platform.is_gpu if config.async_scheduling is None else config.async_scheduling
+        self._inflight: _Step | None = None  # a launched lookahead step, read back by the next step()
+        self.num_lookahead_steps = 0
         logger.info("engine ready in %.1fs: %s on %s (%s), dtype %s, max_model_len %d, %d KV blocks",
                     time.perf_counter() - t0, self.model_name, self.platform.name, self.platform.description,
                     loaded.dtype, self.max_model_len, self.runner.num_blocks)
@@ -238,10 +253,33 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One scheduler step. Returns a RequestOutput for every request that got a token, or with
         ``finished_only`` (offline callers that only collect results) just for the finished ones, which
-        skips copying every running request's tokens and text each step."""
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
+        skips copying every running request's tokens and text each step.
+
+        With async scheduling, the next decode step is launched before this step's tokens are read
+        back (``_launch_lookahead``), so the device never waits for the host in steady decoding."""
+        step = self._inflight
+        self._inflight = None
+        if step is None:
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                return []
+            step = self._launch(out)
+            if step is None:  # prefill chunks only: nothing sampled
+                return []
+        if self._async:
+            self._inflight = self._launch_lookahead(step)
+        outputs = self._finalize(step, finished_only)
+        nxt = self._inflight
+        if nxt is not None:
+            # the lookahead's KV is (being) written: advance its sequences now that their inputs, the
+            # tokens just appended, are known (prefix-cache hashes need them); drop it if all ended
+            self.scheduler.postprocess(nxt.out)
+            if not any(seq.status == SequenceStatus.RUNNING for seq in nxt.lanes):
+                self._inflight = None
+        return outputs
+
+    def _launch(self, out) -> _Step | None:
+        """Account for a scheduled step and launch its forward and sampling (no sync)."""
         now = time.time()
         lanes, rows = [], []
         sample_row = {}
@@ -264,8 +302,36 @@ class LLMEngine:
         result = self.runner.execute(out.scheduled, lanes, rows, self.eos_ids, want, out.copy_on_write)
         self.scheduler.postprocess(out)
         if result is None:
-            return []
-        tokens = result.tokens.tolist()  # the one device->host sync of the step
+            return None
+        return _Step(out, lanes, result, *self.runner.start_readback(result))
+
+    def _launch_lookahead(self, prev: _Step) -> _Step | None:
+        """Launch the decode step after ``prev`` with ``prev``'s tokens, still on the device, as its
+        inputs; None where that step is not certain to be the next one (see Scheduler.schedule_lookahead)
+        or a request needs its tokens on the host first (penalties) or is about to end by length.
+        A request that ends on a stop token or string at ``prev`` wastes one token of work, discarded."""
+        for seq in prev.lanes:
+            p = seq.params
+            n_out = len(seq.output_token_ids) + 1  # with prev's token
+            if p.has_penalties or (p.max_tokens is not None and n_out >= p.max_tokens) \
+                    or seq.num_tokens + 1 >= self.max_model_len:
+                return None
+        out = self.scheduler.schedule_lookahead(prev.out)
+        if out is None:
+            return None
+        lanes = [s.seq for s in out.scheduled]  # prev's lanes, in prev's order: row i = prev's token i
+        want = max((seq.params.logprobs for seq in lanes if seq.params.logprobs is not None), default=-1)
+        result = self.runner.execute(out.scheduled, lanes, list(range(len(lanes))), self.eos_ids, want,
+                                     out.copy_on_write, input_tokens=prev.result.tokens)
+        self.num_lookahead_steps += 1
+        return _Step(out, lanes, result, *self.runner.start_readback(result))
+
+    def _finalize(self, step: _Step, finished_only: bool) -> list[RequestOutput]:
+        """Wait for the step's tokens on the host (the one sync) and hand them to their requests."""
+        if step.ready is not None:
+            step.ready.synchronize()  # this step's copy only, not the lookahead queued behind it
+        result, lanes = step.host, step.lanes
+        tokens = result.tokens.tolist()
         extra = None
         if result.logprobs is not None:
             extra = (result.logprobs.tolist(), result.ranks.tolist(),
@@ -275,7 +341,7 @@ class LLMEngine:
         touched: dict[str, _Request] = {}
         for lane, (seq, tok) in enumerate(zip(lanes, tokens)):
             req = self._requests.get(seq.request_id)
-            if req is None:  # aborted meanwhile
+            if req is None or seq.status.is_finished:  # aborted, or ended while a lookahead ran
                 continue
             seq.append_token(tok)
             self._generation_tokens_total += 1
@@ -296,8 +362,6 @@ class LLMEngine:
         return outputs
 
     def _emit(self, req: _Request, seq, tok: int, lane: int, extra) -> None:
-        from turnout.engine.sequence import SequenceStatus
-
         p = req.params
         comp = req.completions[seq.index]
         detok = req.detoks[seq.index]

@@ -126,15 +126,17 @@ class ModelRunner:
                                             ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")})
         return ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), meta
 
-    def prepare_host(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare_host(self, scheduled, pending: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                        list[int]]:
         """Host lists -> (pinned) CPU tensors. Returns ids, positions, metadata and, per scheduled entry
-        that samples, the index of its last token in the flattened batch."""
+        that samples, the index of its last token in the flattened batch. ``pending``: a lookahead
+        decode step whose input tokens are still on the device (the ids returned are placeholders)."""
         bs = self.block_size
         ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
         max_blocks = 1
         for s in scheduled:
             seq, start, n = s.seq, s.start, s.num_tokens
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend([0] * n if pending else seq.token_ids[start:start + n])
             pos.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -151,8 +153,10 @@ class ModelRunner:
                                  max_seq_len=max(lens))
         return t(ids, torch.long), t(pos, torch.long), meta, sample_idx
 
-    def build_sampling(self, lanes, rows: list[int], eos_ids: set[int], want_logprobs: int) -> SamplingBatch:
-        """lanes: the sequences drawing a token, with rows[i] the logits row of lane i."""
+    def build_sampling(self, lanes, rows: list[int], eos_ids: set[int], want_logprobs: int,
+                       pending: int = 0) -> SamplingBatch:
+        """lanes: the sequences drawing a token, with rows[i] the logits row of lane i. ``pending``:
+        tokens each lane has drawn that are not in its ``output_token_ids`` yet (a lookahead step)."""
         ps = [seq.params for seq in lanes]
         t = self._h2d
 
@@ -160,8 +164,10 @@ class ModelRunner:
                           top_k=t([p.top_k if p.top_k > 0 else 0 for p in ps], torch.int32),
                           top_p=t([p.top_p for p in ps], torch.float32), min_p=t([p.min_p for p in ps], torch.float32),
                           seeds=t([seq.seed for seq in lanes], torch.long),
-                          steps=t([len(seq.output_token_ids) for seq in lanes], torch.long))
+                          steps=t([len(seq.output_token_ids) + pending for seq in lanes], torch.long))
         if any(p.has_penalties for p in ps):
+            if pending:
+                raise ValueError("penalties need every drawn token on the host: no lookahead step for them")
             outs = [seq.output_token_ids for seq in lanes]
             prompts = [seq.token_ids[:seq.num_prompt_tokens] for seq in lanes]
             b.output_ids = t(_pad(outs), torch.long)
@@ -171,7 +177,7 @@ class ModelRunner:
             b.repetition = t([p.repetition_penalty for p in ps], torch.float32)
         banned = []
         for seq, p in zip(lanes, ps):
-            if len(seq.output_token_ids) < p.min_tokens:
+            if len(seq.output_token_ids) + pending < p.min_tokens:
                 banned.append(sorted((set() if p.ignore_eos else eos_ids) | set(p.stop_token_ids)))
             else:
                 banned.append([])
@@ -182,24 +188,48 @@ class ModelRunner:
         return b
 
     @torch.inference_mode()
-    def execute(self, scheduled, lanes, lane_rows, eos_ids, want_logprobs: int = -1, copy_on_write=()):
-        """Run one step. lane_rows[i] indexes the scheduled entries that sample (their order)."""
+    def execute(self, scheduled, lanes, lane_rows, eos_ids, want_logprobs: int = -1, copy_on_write=(),
+                input_tokens: torch.Tensor | None = None):
+        """Run one step. lane_rows[i] indexes the scheduled entries that sample (their order).
+        ``input_tokens``: a lookahead decode step (one token per scheduled entry): the previous step's
+        sampled tokens [n], still on the device, are the inputs; nothing waits for them."""
         if copy_on_write:
             mapping = self._h2d(list(copy_on_write), torch.long)
             self.ops.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
-        input_ids, positions, meta, sample_idx = self.prepare_host(scheduled)
+        pending = input_tokens is not None
+        input_ids, positions, meta, sample_idx = self.prepare_host(scheduled, pending)
         if lanes and self.graphs is not None and self.graphs.can_run(len(sample_idx), meta):
-            logits = self.graphs.run(input_ids, positions, meta)  # pure decode: replay a CUDA graph
+            # pure decode: replay a CUDA graph
+            logits = self.graphs.run(input_tokens if pending else input_ids, positions, meta)
         else:
             input_ids, positions, meta = self._to_device(input_ids, positions, meta)
+            if pending:
+                input_ids = input_tokens.to(torch.long)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             if not lanes:
                 return None
             if len(sample_idx) != hidden.shape[0]:  # sample_idx is increasing: equal lengths = every row
                 hidden = hidden.index_select(0, self._h2d(sample_idx, torch.long))
             logits = self.model.compute_logits(hidden)
-        batch = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs)
+        batch = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
         return sample(self.ops, logits, batch)
+
+
+    def start_readback(self, result):
+        """Queue the copy of a step's sampler output to pinned host memory right behind the step's work,
+        with an event: a step launched after this one does not delay reading this one's tokens.
+        Returns (host-side SamplerOutput, event or None where the device is the host)."""
+        if self.device.type != "cuda":
+            return result, None
+        host = {}
+        for f in dataclasses.fields(result):
+            t = getattr(result, f.name)
+            if t is not None:
+                host[f.name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host[f.name].copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return dataclasses.replace(result, **host), event
 
 
 def _pad(rows: list[list[int]]) -> list[list[int]]:

@@ -213,6 +213,39 @@ class Scheduler:
         self.num_steps += 1
         return out
 
+    def schedule_lookahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after ``prev`` while ``prev``'s sampled tokens are still on the device: every
+        sequence of ``prev`` decodes the token it is about to receive (not yet in ``token_ids``), at
+        position ``num_computed_tokens``. Call after ``postprocess(prev)``.
+
+        Only the steady decode state qualifies: ``prev`` sampled for every running sequence, nothing
+        waits, no fork is pending, the batch fits the token budget and the free blocks (no preemption).
+        Otherwise None, and the engine waits for the tokens and calls ``schedule`` as usual. The engine
+        also decides per request (penalties, a last token) before asking."""
+        if self.waiting or prev.forks or prev.preempted or len(prev.scheduled) != len(self.running):
+            return None
+        if len(prev.scheduled) > self.max_num_batched_tokens:
+            return None
+        bm = self.block_manager
+        need = 0
+        for entry in prev.scheduled:
+            seq = entry.seq
+            if (not entry.sample or seq.status != SequenceStatus.RUNNING or seq.n != 1
+                    or seq.num_computed_tokens != seq.num_tokens or seq.num_tokens + 1 > self.max_model_len):
+                return None
+            need += bm.blocks_to_append(seq, 1)
+        if need > bm.num_free_blocks:
+            return None
+        out = SchedulerOutput(scheduled=[], preempted=[])
+        for entry in prev.scheduled:
+            seq = entry.seq
+            out.copy_on_write.extend(bm.append_slots(seq, 1))
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, True))
+        out.num_batched_tokens = len(out.scheduled)
+        self.num_decode_tokens_computed += len(out.scheduled)
+        self.num_steps += 1
+        return out
+
     def _fork(self, entry: ScheduledSeq) -> list[Sequence]:
         parent = entry.seq
         children = []
