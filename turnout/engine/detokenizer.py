@@ -142,3 +142,15 @@ class IncrementalDetokenizer:
                     held = k
                     break
         return held
+
+
+class NoTextDetokenizer:
+    """The detokenizer of a model without a tokenizer: token ids only."""
+
+    stopped = None
+
+    def add(self, token_id: int, check_stop: bool = True) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

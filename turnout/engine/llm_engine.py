@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from turnout.config import EngineConfig
 from turnout.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from turnout.engine.sampling_params import SamplingParams
+from turnout.engine.detokenizer import NoTextDetokenizer
 from turnout.engine.sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -78,18 +79,6 @@ def _display_name(model: str | None, loaded) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
     return model
-
-
-class _NoText:
-    """The detokenizer of a model without a tokenizer: token ids only."""
-
-    stopped = None
-
-    def add(self, token_id: int, check_stop: bool = True) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
 
 
 @dataclass
@@ -219,7 +208,7 @@ class LLMEngine:
         p = req.params
         req.seqs[seq.index] = seq
         if self.tokenizer is None:
-            req.detoks[seq.index] = _NoText()
+            req.detoks[seq.index] = NoTextDetokenizer()
         else:
             req.detoks[seq.index] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                        skip_special_tokens=p.skip_special_tokens,

@@ -18,6 +18,7 @@ holding ``config.json``, or a ``<name>.json`` file): those get dummy weights.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -57,6 +58,9 @@ def _common(p) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch the next decode step before the last one's tokens are read back "
+                        "(default: on for GPUs, off on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None, help="default: input-len + output-len")
@@ -110,7 +114,8 @@ def build_llm(args, batch: int):
               max_num_batched_tokens=max_tokens, kv_cache_memory=args.kv_cache_memory,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
               load_format=load_format, seed=args.seed, ops_policy=args.ops_policy, block_size=args.block_size,
-              enforce_eager=args.enforce_eager, tokenizer=bench_tokenizer(path))
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              tokenizer=bench_tokenizer(path))
     return llm, path, load_format, time.perf_counter() - t0
 
 
@@ -349,7 +354,6 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m turnout.entrypoints.bench_cmd latency ...`: the same, without the other subcommands'
     imports (for machines that lack the server's dependencies)."""
-    import argparse
 
     p = argparse.ArgumentParser(prog="turnout bench", description="latency / throughput benchmarks")
     p.add_argument("--log-level", default="INFO")

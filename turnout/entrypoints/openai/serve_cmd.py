@@ -6,6 +6,7 @@ process exits 0. A second signal stops at once.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -34,6 +35,9 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch the next decode step before the last one's tokens are read back "
+                        "(default: on for GPUs, off on CPU)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     p.add_argument("--ops-policy", default=None, help="op dispatch policy (as TURNOUT_OPS)")
     p.add_argument("--dtype", default="auto")
@@ -54,6 +58,7 @@ def build_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         load_format=args.load_format, seed=args.seed, ops_policy=args.ops_policy,
         served_model_name=(args.served_model_name or [None])[0])
 
