@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 
 from turnout.config import EngineConfig
+from turnout.engine.detokenizer import NoTextDetokenizer
 from turnout.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from turnout.engine.sampling_params import SamplingParams
-from turnout.engine.detokenizer import NoTextDetokenizer
 from turnout.engine.sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
