@@ -128,9 +128,10 @@ class LLMEngine:
         self._async = self.platform.is_gpu if config.async_scheduling is None else config.async_scheduling
         self._inflight: _Step | None = None  # a launched lookahead step, read back by the next step()
         self.num_lookahead_steps = 0
-        logger.info("engine ready in %.1fs: %s on %s (%s), dtype %s, max_model_len %d, %d KV blocks",
-                    time.perf_counter() - t0, self.model_name, self.platform.name, self.platform.description,
-                    loaded.dtype, self.max_model_len, self.runner.num_blocks)
+        logger.info("engine ready in %.1fs: %s on %s (%s), dtype %s, max_model_len %d, %d KV blocks, "
+                    "async scheduling %s", time.perf_counter() - t0, self.model_name, self.platform.name,
+                    self.platform.description, loaded.dtype, self.max_model_len, self.runner.num_blocks,
+                    "on" if self._async else "off")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -223,6 +224,11 @@ class LLMEngine:
         for rid in ids:
             self.scheduler.abort(rid)
             self._requests.pop(rid, None)
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether decode steps are launched ahead of the last one's read-back (docs/architecture.md)."""
+        return self._async
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
