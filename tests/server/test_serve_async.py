@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -50,3 +51,11 @@ def test_async_scheduling_server_answers_as_the_synchronous_one(server, async_se
     got = _all(async_server.base_url, model_name, stream)
     assert got == want
     assert all(text for text, _ in got)
+
+    def lookahead_steps(srv):
+        line = [ln for ln in httpx.get(f"{srv.base_url}/metrics").text.splitlines()
+                if ln.startswith("turnout_lookahead_steps_total")]
+        return float(line[0].split()[-1])
+
+    assert lookahead_steps(async_server) > 0, "the async server never launched a step ahead"
+    assert lookahead_steps(server) == 0

@@ -37,6 +37,7 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     prefix_cache_hit_tokens_total: int = 0
+    lookahead_steps_total: int = 0  # decode steps launched before the last one's tokens were read back
 
 
 @dataclass
@@ -242,7 +243,8 @@ class LLMEngine:
                            kv_cache_usage=self.block_manager.usage, num_preemptions_total=s.num_preemptions,
                            prompt_tokens_total=self._prompt_tokens_total,
                            generation_tokens_total=self._generation_tokens_total,
-                           prefix_cache_hit_tokens_total=s.num_prefix_cached_tokens)
+                           prefix_cache_hit_tokens_total=s.num_prefix_cached_tokens,
+                           lookahead_steps_total=self.num_lookahead_steps)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:

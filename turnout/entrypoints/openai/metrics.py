@@ -49,6 +49,8 @@ class _EngineCollector:
                       s.prompt_tokens_total if s else 0)
         yield counter("turnout_generation_tokens", "Tokens generated since start.",
                       s.generation_tokens_total if s else 0)
+        yield counter("turnout_lookahead_steps", "Decode steps launched before the previous step's tokens were "
+                      "read back (async scheduling).", s.lookahead_steps_total if s else 0)
         yield gauge("turnout_engine_healthy", "1 when the engine is loaded and alive.", 1 if st.healthy else 0)
         ops = g("turnout_op_implementation", "Implementation each op resolved to (value 1).",
                 labels=["op", "impl"])
