@@ -12,10 +12,14 @@
 #   throughput     turnout bench throughput, 512 x (1024 in / 512 out)   (QUICK=1: 128 prompts)
 #   prefill        turnout bench latency, 8 x 2048 in / 1 out: prefill TFLOP/s
 #   hf_peer        HF transformers on identical weights: batch-1 eager/static, throughput, greedy check
+#   moe_b1         turnout bench latency, MOE_MODEL (Qwen3-30B-A3B dummy) batch 1, 128 in / 128 out
+#   moe_b64        the same at batch 64 (issue #6: >= 10x HF)
+#   hf_moe         HF on identical MoE weights: batch-1 eager, and one batch of 64 x (128 in / 128 out)
 # After every step OUTDIR/summary.json is rewritten (benchmarks/gpu_suite_summary.py), so a run cut
 # short still leaves a summary; a step that hits its limit is recorded as timed_out.
 #
 # Environment: SUITE_BUDGET_S (default 540), MODEL (default qwen3-8b), PYTHON (default python),
+# MOE_MODEL (default benchmarks/configs/qwen3_30b_a3b.json; MOE_MODEL=none skips the MoE steps),
 # QUICK=1, COMPILE=1 (also HF static cache + torch.compile, last), SKIP="step step" to skip steps,
 # SMOKE=1 (tiny lengths and float32: checks the script itself on a CPU, with MODEL=a tiny config).
 set -u
@@ -30,7 +34,10 @@ MODEL=${MODEL:-qwen3-8b}
 QUICK=${QUICK:-0}
 DTYPE=${DTYPE:-bfloat16}
 LAT_IN=128 LAT_OUT=256 THR_IN=1024 THR_OUT=512 PF_BATCH=8 PF_IN=2048 CMP_TOKENS=32
+MOE_MODEL=${MOE_MODEL:-benchmarks/configs/qwen3_30b_a3b.json}
+MOE_IN=128 MOE_OUT=128 MOE_BATCH=64
 if [[ "${SMOKE:-0}" == 1 ]]; then
+  MOE_IN=8 MOE_OUT=4 MOE_BATCH=4
   DTYPE=float32 LAT_IN=8 LAT_OUT=4 THR_IN=8 THR_OUT=4 PF_BATCH=2 PF_IN=16 CMP_TOKENS=4 NUM_PROMPTS=${NUM_PROMPTS:-4}
 fi
 BUDGET=${SUITE_BUDGET_S:-540}
@@ -127,6 +134,17 @@ if [[ "$QUICK" == 1 ]]; then HF_BATCH=${HF_BATCH:-32}; else HF_BATCH=${HF_BATCH:
 step hf_peer 150 "$PY" benchmarks/hf_peer.py --model "$MODEL" --dtype "$DTYPE" --input-len "$LAT_IN" --output-len "$LAT_OUT" \
   --thr-num-prompts "$NUM_PROMPTS" --thr-input-len "$THR_IN" --thr-output-len "$THR_OUT" --max-batch "$HF_BATCH" \
   --compare-turnout "$CMP_TOKENS" $([[ "${COMPILE:-0}" == 1 ]] && echo --compile) --output-json "$OUT/hf_peer.json"
+
+# 9-11. MoE: batch 1 and batch 64 decode, then the HF peer on identical weights.
+if [[ "$MOE_MODEL" != none ]]; then
+  step moe_b1 60 "${BENCH[@]}" latency --model "$MOE_MODEL" --load-format dummy --dtype "$DTYPE" \
+    --batch-size 1 --input-len "$MOE_IN" --output-len "$MOE_OUT" --num-iters 3 --output-json "$OUT/moe_b1.json"
+  step moe_b64 60 "${BENCH[@]}" latency --model "$MOE_MODEL" --load-format dummy --dtype "$DTYPE" \
+    --batch-size "$MOE_BATCH" --input-len "$MOE_IN" --output-len "$MOE_OUT" --num-iters 2 --output-json "$OUT/moe_b64.json"
+  step hf_moe 120 "$PY" benchmarks/hf_peer.py --model "$MOE_MODEL" --dtype "$DTYPE" --modes eager \
+    --input-len "$MOE_IN" --output-len "$MOE_OUT" --thr-num-prompts "$MOE_BATCH" --thr-input-len "$MOE_IN" \
+    --thr-output-len "$MOE_OUT" --max-batch "$MOE_BATCH" --output-json "$OUT/hf_moe.json"
+fi
 
 summarize
 echo "[gpu_suite] done in $(($(date +%s) - START))s: $OUT/summary.json" >&2

@@ -13,7 +13,7 @@ import os
 import sys
 import xml.etree.ElementTree as ET
 
-BENCH_FILES = ("lat_graphs", "lat_eager", "throughput", "prefill")
+BENCH_FILES = ("lat_graphs", "lat_eager", "throughput", "prefill", "moe_b1", "moe_b64")
 
 
 def _load_json(path: str, problems: dict):
@@ -146,6 +146,16 @@ def headline(r: dict) -> dict:
         h["hf_same_weights_identical"] = same.get("weights_identical")
         h["hf_same_weights_greedy_match"] = same.get("greedy_match")
         h["hf_same_weights_first_mismatch"] = same.get("first_mismatch")
+    m1, m64, hm = (r.get(k) or {} for k in ("moe_b1", "moe_b64", "hf_moe"))
+    if m1 or m64 or hm:
+        h["moe_model"] = m1.get("model") or m64.get("model")
+        h["moe_b1_decode_tok_s"] = m1.get("decode_tok_s")
+        h["moe_b1_decode_frac_of_copy_bw"] = m1.get("decode_frac_of_copy_bw")
+        h["moe_b64_output_tok_s"] = m64.get("output_tok_s")
+        h["moe_b64_decode_tok_s"] = m64.get("decode_tok_s")
+        h["hf_moe_b1_decode_tok_s"] = _get(hm, "latency", "eager", "decode_tok_s")
+        h["hf_moe_b64_output_tok_s"] = _get(hm, "throughput", "output_tok_s")
+        h["moe_b64_speedup_vs_hf"] = _ratio(m64.get("output_tok_s"), h["hf_moe_b64_output_tok_s"])
     return h
 
 
@@ -164,7 +174,7 @@ def build(out: str) -> dict:
         r["ops_check"] = ops
     r["kernels"] = _load_json(os.path.join(out, "kernels.json"), problems) or _json_lines(
         os.path.join(out, "kernels.log"))
-    for name in BENCH_FILES + ("hf_peer",):
+    for name in BENCH_FILES + ("hf_peer", "hf_moe"):
         r[name] = _load_json(os.path.join(out, f"{name}.json"), problems)
     for s in r["steps"]:  # failed steps: the end of their log says why
         if s.get("status") == "failed" and s.get("log"):
