@@ -54,7 +54,8 @@ def main():
     # GPU busy time per step: the kernels' own time (a graph replay's kernels are listed one by one)
     busy_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / args.steps
     print(f"per step: wall {wall_ms:.3f} ms (no profiler), GPU busy {busy_ms:.3f} ms, "
-          f"host gap {wall_ms - busy_ms:.3f} ms ({100 * (wall_ms - busy_ms) / wall_ms:.0f}%)")
+          f"idle {wall_ms - busy_ms:.3f} ms ({100 * (wall_ms - busy_ms) / wall_ms:.0f}%: host work the GPU waits "
+          f"for, plus the gaps between kernels)")
 
 
 if __name__ == "__main__":
