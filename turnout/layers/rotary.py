@@ -73,6 +73,14 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
 
+    def with_qk_norm(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm) -> None:
+        """Per-head RMSNorm of q and k (the RMSNorm modules' weights and eps), then RoPE: one op,
+        ``qk_norm_rotary``, in place."""
+        if q_norm.eps != k_norm.eps:
+            raise ValueError(f"q_norm and k_norm eps differ ({q_norm.eps} vs {k_norm.eps})")
+        self.ops.qk_norm_rotary(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos_sin_cache,
+                                self.is_neox)
+
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
                 f"max_position={self.cos_sin_cache.shape[0]}, neox={self.is_neox}")

@@ -1,6 +1,7 @@
 import torch
 
 from turnout.ops.reference._util import randint, randn
+from turnout.ops.reference.norm import rms_norm
 from turnout.ops.spec import OpSpec, SampleCase
 
 
@@ -29,6 +30,16 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         r.copy_(_rotate(r.float(), cos, sin, is_neox).to(t.dtype))
 
 
+def qk_norm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """The attention prologue of models with q/k norm (Qwen3, GLM-4 MoE), in place on query [T, Hq, D] and
+    key [T, Hk, D] (strided views of a fused qkv allowed): RMSNorm over each head with q_weight /
+    k_weight [D], then RoPE. Exactly ``rms_norm`` on each, then ``rotary_embedding``."""
+    query.copy_(rms_norm(query, q_weight, eps))
+    key.copy_(rms_norm(key, k_weight, eps))
+    rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+
+
 def make_cos_sin_cache(rot_dim: int, max_position: int, base: float = 10000.0) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
@@ -51,3 +62,18 @@ ROTARY_EMBEDDING = OpSpec(
     "rotary_embedding", rotary_embedding, _samples, mutates=("query", "key"),
     tolerance={"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)},
     doc="RoPE in place on q and k (neox or gptj style, partial rotary)")
+
+
+def _qk_norm_samples(device, dtype, gen):
+    for case in _samples(device, dtype, gen):
+        pos, q, k, cache, neox = case.args
+        d = q.shape[-1]
+        qw = randn((d,), dtype, device, gen, 0.5) + 1
+        kw = randn((d,), dtype, device, gen, 0.5) + 1
+        yield SampleCase(case.label, (pos, q, k, qw, kw, 1e-6, cache, neox))
+
+
+QK_NORM_ROTARY = OpSpec(
+    "qk_norm_rotary", qk_norm_rotary, _qk_norm_samples, mutates=("query", "key"),
+    tolerance={"float32": (1e-5, 1e-5), "float16": (1e-2, 1e-2), "bfloat16": (6e-2, 2e-2)},
+    doc="per-head RMSNorm of q and k, then RoPE, in place (q/k-norm models)")

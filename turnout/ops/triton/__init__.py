@@ -15,6 +15,7 @@ KERNELS: dict[str, str] = {
     "rms_norm": "norm:rms_norm",
     "fused_add_rms_norm": "norm:fused_add_rms_norm",
     "rotary_embedding": "rotary:rotary_embedding",
+    "qk_norm_rotary": "rotary:qk_norm_rotary",
     "silu_and_mul": "activation:silu_and_mul",
     "reshape_and_cache": "cache:reshape_and_cache",
     "copy_blocks": "cache:copy_blocks",

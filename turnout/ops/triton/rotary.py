@@ -59,3 +59,87 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     _rotary_kernel[grid](positions, query, key, cos_sin_cache, query.stride(0), query.stride(1), key.stride(0),
                          key.stride(1), cos_sin_cache.stride(0), hq, hk, IS_NEOX=bool(is_neox), HALF=rot_dim // 2,
                          BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(rot_dim // 2), num_warps=4)
+
+
+@triton.jit
+def _norm_rotate_heads(base, stride_h, h0, num_heads, W, eps, cos, sin, offs_i, offs_t,
+                       D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    """RMSNorm over each of BLOCK_H heads (D values), then RoPE on the first ROT. The head is read once,
+    as its two rotating halves (pairs) and the tail beyond ROT. Rounding as the reference does:
+    normalised in float32, rounded to the input dtype, scaled by the weight, rounded, then rotated in
+    float32."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < num_heads
+    if IS_NEOX:
+        i1 = offs_i
+        i2 = offs_i + HALF
+    else:
+        i1 = offs_i * 2
+        i2 = offs_i * 2 + 1
+    i_ok = offs_i < HALF
+    m = h_ok[:, None] & i_ok[None, :]
+    tail = ROT + offs_t
+    t_ok = tail < D
+    mt = h_ok[:, None] & t_ok[None, :]
+    row = base + offs_h[:, None] * stride_h
+    x1 = tl.load(row + i1[None, :], mask=m, other=0.0)
+    x2 = tl.load(row + i2[None, :], mask=m, other=0.0)
+    xt = tl.load(row + tail[None, :], mask=mt, other=0.0)
+    dt = x1.dtype
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    xtf = xt.to(tl.float32)
+    ss = tl.sum(x1f * x1f, 1) + tl.sum(x2f * x2f, 1) + tl.sum(xtf * xtf, 1)
+    r = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+    w1 = tl.load(W + i1, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(W + i2, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+    wt = tl.load(W + tail, mask=t_ok, other=0.0).to(tl.float32)[None, :]
+    y1 = (w1 * (x1f * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    y2 = (w2 * (x2f * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    yt = (wt * (xtf * r).to(dt).to(tl.float32)).to(dt)
+    tl.store(row + i1[None, :], (y1 * cos[None, :] - y2 * sin[None, :]).to(dt), mask=m)
+    tl.store(row + i2[None, :], (y2 * cos[None, :] + y1 * sin[None, :]).to(dt), mask=m)
+    tl.store(row + tail[None, :], yt, mask=mt)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(POS, Q, K, QW, KW, CS, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                           num_q_heads, num_k_heads, D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
+                           HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                           BLOCK_TAIL: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BLOCK_H
+    pos = tl.load(POS + t).to(tl.int64)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    offs_t = tl.arange(0, BLOCK_TAIL)
+    cmask = offs_i < HALF
+    cos = tl.load(CS + pos * stride_cs + offs_i, mask=cmask, other=0.0).to(tl.float32)
+    sin = tl.load(CS + pos * stride_cs + HALF + offs_i, mask=cmask, other=0.0).to(tl.float32)
+    if h0 < num_q_heads:
+        _norm_rotate_heads(Q + t * stride_qt, stride_qh, h0, num_q_heads, QW, eps, cos, sin, offs_i, offs_t,
+                           D, ROT, IS_NEOX, HALF, BLOCK_H)
+    if h0 < num_k_heads:
+        _norm_rotate_heads(K + t * stride_kt, stride_kh, h0, num_k_heads, KW, eps, cos, sin, offs_i, offs_t,
+                           D, ROT, IS_NEOX, HALF, BLOCK_H)
+
+
+def qk_norm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """One launch for q/k RMSNorm + RoPE (the reference: turnout/ops/reference/rotary.py)."""
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return
+    rot_dim = cos_sin_cache.shape[-1]
+    d = query.shape[-1]
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("qk_norm_rotary needs a unit stride on the head dimension")
+    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+    hq, hk = query.shape[1], key.shape[1]
+    block_h = min(triton.next_power_of_2(max(hq, hk)), 8)
+    grid = (num_tokens, triton.cdiv(max(hq, hk), block_h))
+    _qk_norm_rotary_kernel[grid](
+        positions, query, key, q_weight, k_weight, cos_sin_cache, float(eps), query.stride(0), query.stride(1),
+        key.stride(0), key.stride(1), cos_sin_cache.stride(0), hq, hk, D=d, ROT=rot_dim, IS_NEOX=bool(is_neox),
+        HALF=rot_dim // 2, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(rot_dim // 2),
+        BLOCK_TAIL=triton.next_power_of_2(max(d - rot_dim, 1)), num_warps=4)

@@ -12,6 +12,7 @@ OPS = {
     "rms_norm": "norm:rms_norm",
     "fused_add_rms_norm": "norm:fused_add_rms_norm",
     "rotary_embedding": "rotary:rotary_embedding",
+    "qk_norm_rotary": "rotary:qk_norm_rotary",
     "reshape_and_cache": "cache:reshape_and_cache",
 }
 

@@ -2,6 +2,8 @@
 
 import torch
 
+from turnout.ops.vendors.cpu.norm import rms_norm
+
 
 def rotary_embedding(positions, query, key, cos_sin_cache, is_neox: bool) -> None:
     rot = cos_sin_cache.shape[-1]
@@ -22,3 +24,10 @@ def rotary_embedding(positions, query, key, cos_sin_cache, is_neox: bool) -> Non
             f1, f2 = x1.float(), x2.float()
             x1.copy_(f1 * cos - f2 * sin)
             x2.copy_(f2 * cos + f1 * sin)
+
+
+def qk_norm_rotary(positions, query, key, q_weight, k_weight, eps: float, cos_sin_cache, is_neox: bool) -> None:
+    """torch's rms_norm on each head, written back into the (fused qkv) views, then RoPE in place."""
+    query.copy_(rms_norm(query, q_weight, eps))
+    key.copy_(rms_norm(key, k_weight, eps))
+    rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
