@@ -44,6 +44,11 @@ class ModelRunner:
             from turnout.layers.linear import use_k_major_weights
 
             use_k_major_weights(self.model)  # faster CPU GEMMs for decode-shaped batches
+        small_m = ops.resolutions.get("small_m_linear")
+        if platform.is_gpu and small_m is not None and small_m.chosen not in (None, "reference.torch"):
+            from turnout.layers.linear import use_small_m_linear
+
+            use_small_m_linear(self.model, ops.small_m_linear)  # one-row projections (batch-1 decode)
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]

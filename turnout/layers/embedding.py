@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turnout.layers.linear import default_weight_loader
+from turnout.layers.linear import default_weight_loader, project
 
 
 class VocabEmbedding(nn.Module):
@@ -52,8 +52,10 @@ class LMHead(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    small_m = None  # see turnout.layers.linear.use_small_m_linear
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight, self.bias).float()
+        return project(hidden, self.weight, self.bias, self.small_m).float()
 
     def extra_repr(self) -> str:
         return f"{self.embedding_dim} -> {self.num_embeddings}, tied={self.tied}"

@@ -36,8 +36,17 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_m) -> torch.Tensor:
+    """F.linear, or the ``small_m_linear`` op for a one-row input when a model was given it."""
+    if small_m is not None and x.dim() == 2 and x.shape[0] == 1:
+        return small_m(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LinearBase(nn.Module):
     """y = x W^T (+ b); ``weight`` [out_local, in_local]."""
+
+    small_m = None  # the small_m_linear op for one-row inputs (``use_small_m_linear``); None: F.linear
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
@@ -58,7 +67,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias, self.small_m)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -106,7 +115,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x):
         # With tp_size > 1 only rank 0 adds the bias, so the reduced sum carries it once.
         bias = self.bias if self.tp_rank == 0 else None
-        return F.linear(x, self.weight, bias)
+        return project(x, self.weight, bias, self.small_m)
 
 
 class _PackedColumnLinear(ColumnParallelLinear):
@@ -185,5 +194,24 @@ def use_k_major_weights(model: nn.Module) -> int:
     for mod in model.modules():
         if isinstance(mod, (LinearBase, LMHead)) and mod.weight.dim() == 2 and id(mod.weight) not in shared:
             mod.weight.data = mod.weight.data.t().contiguous().t()
+            changed += 1
+    return changed
+
+
+def use_small_m_linear(model: nn.Module, op) -> int:
+    """Run every linear layer, MoE router and LM head through ``op`` (the ``small_m_linear`` op) for
+    one-row inputs.
+
+    At batch-1 decode each projection is a weight stream; on the H200 the Triton kernel reads it at or
+    above cuBLAS's rate on every projection of Qwen3-8B and Qwen3-30B-A3B (docs/benchmarks.md). Beyond one
+    row, F.linear. Returns the number of modules changed.
+    """
+    from turnout.layers.embedding import LMHead
+    from turnout.layers.moe.layer import Router
+
+    changed = 0
+    for mod in model.modules():
+        if isinstance(mod, (LinearBase, LMHead, Router)):
+            mod.small_m = op
             changed += 1
     return changed

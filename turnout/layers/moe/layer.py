@@ -16,11 +16,11 @@ Routing happens here, once; the experts op receives it and never recomputes it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from turnout.layers.activation import SiluAndMul
-from turnout.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, default_weight_loader
+from turnout.layers.linear import (MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, default_weight_loader,
+                                   project)
 from turnout.layers.moe.experts import FusedExperts
 from turnout.layers.moe.router import RoutingConfig, select_experts
 
@@ -46,12 +46,14 @@ class Router(nn.Module):
                 setattr(self, name, None)
         self.weight.weight_loader = default_weight_loader
 
+    small_m = None  # see turnout.layers.linear.use_small_m_linear
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k])."""
         if self.logits_fp32:
-            logits = F.linear(x.float(), self.weight.float())  # [T, E]
+            logits = project(x.float(), self.weight.float(), None, self.small_m)  # [T, E]
         else:
-            logits = F.linear(x, self.weight)
+            logits = project(x, self.weight, None, self.small_m)
         return select_experts(logits, self.routing, self.e_score_correction_bias, self.per_expert_scale,
                               ops=self.ops)
 

@@ -24,6 +24,7 @@ KERNELS: dict[str, str] = {
     "sample": "sampling:sample",
     "moe_experts": "moe:moe_experts",
     "select_experts": "routing:select_experts",
+    "small_m_linear": "linear:small_m_linear",
 }
 
 

@@ -14,8 +14,9 @@ GEMMs. Here every program finds its own rows:
 
 1. ``_decode_gate_up_kernel``: act[pair] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T)  [T*k, I]
 2. ``_decode_down_kernel``: pair_out[pair] = weight[pair] * act[pair] @ w2[e].T  fp32 [T*k, H]
-3. ``_sum_slots_kernel``: out[t] = sum_j pair_out[t, j] over the slots with a valid id, in slot order
-   (deterministic, no atomics; rows of invalid ids are never written nor read), cast to hidden's dtype.
+3. ``_sum_slots_kernel``: out[t] = sum_j pair_out[t, j] over the slots with a valid id (deterministic,
+   no atomics; rows of invalid ids are never written nor read), cast to hidden's dtype. All slots of a
+   column tile come in one 2-D load: at batch 1 the kernel is one memory round trip.
 
 The routing is consumed as given (seed 001).
 """
@@ -181,17 +182,20 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
 
 @triton.jit
 def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, top_k, num_experts, H, stride_pair, stride_out,
-                      BLOCK_H: tl.constexpr):
+                      KP: tl.constexpr, BLOCK_H: tl.constexpr):
+    """All k slots of a column tile in one [KP, BLOCK_H] load (one memory round trip, not k), summed over
+    axis 0 in the compiled reduction's fixed order (the same result on every run)."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(0, top_k):
-        pair = t * top_k + j
-        e = tl.load(ids_ptr + pair + tl.zeros((BLOCK_H,), dtype=tl.int32)).to(tl.int64)  # [BH], one id
-        ok = col_ok & (e >= 0) & (e < num_experts)
-        acc += tl.load(pair_out_ptr + pair.to(tl.int64) * stride_pair + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    slots = tl.arange(0, KP)
+    pairs = t * top_k + slots
+    e = tl.load(ids_ptr + pairs, mask=slots < top_k, other=-1).to(tl.int64)  # [KP]
+    ok = (slots < top_k) & (e >= 0) & (e < num_experts)
+    vals = tl.load(pair_out_ptr + pairs.to(tl.int64)[:, None] * stride_pair + cols[None, :],
+                   mask=ok[:, None] & col_ok[None, :], other=0.0)  # [KP, BH] fp32
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty),
+             mask=col_ok)
 
 
 def _pow2(n: int) -> int:
@@ -246,8 +250,9 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         EVEN_K=inter % bk2 == 0, PRECISION=precision, UPCAST=upcast,
         num_warps=cfg.num_warps2 or cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages2 or stages)
     out = torch.empty_like(hidden)  # [T, H]
-    block_h = min(1024, _pow2(hidden_size))
+    kp = _pow2(top_k)
+    block_h = max(16, min(_pow2(hidden_size), 4096 // kp))  # a [KP, BLOCK_H] fp32 tile of <= 16 KB
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         pair_out, ids, out, top_k, num_experts, hidden_size, pair_out.stride(0), out.stride(0),
-        BLOCK_H=block_h, num_warps=4)
+        KP=kp, BLOCK_H=block_h, num_warps=4)
     return out

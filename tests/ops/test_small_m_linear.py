@@ -1,0 +1,118 @@
+"""small_m_linear: the Triton kernel (one row on the CUDA cores, 2-16 rows through tl.dot) against
+F.linear, its contract, and the layer hook that sends one-row projections through the op."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from turnout.layers.embedding import LMHead
+from turnout.layers.linear import QKVParallelLinear, RowParallelLinear, use_small_m_linear
+from turnout.layers.moe.layer import Router
+from turnout.layers.moe.router import RoutingConfig
+from turnout.ops.reference.linear import small_m_linear as reference
+from turnout.platforms.detect import detect_platform
+
+PLATFORM = detect_platform("auto")
+DEVICE = PLATFORM.device()
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+# tl.dot on bf16 is not trustworthy under the interpreter: the 2-16 row path is tested in fp32/fp16 there
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+def _triton():
+    if not PLATFORM.triton_usable():
+        pytest.skip("Triton does not run here")
+    from turnout.ops.triton.linear import SmallMConfig, small_m_linear
+
+    return small_m_linear, SmallMConfig
+
+
+def _case(gen, m, n, k, dtype, bias):
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_kernel_every_row_count_and_ragged_shapes(dtype):
+    kernel, config = _triton()
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k, bias in ((1, 70, 300, True), (1, 9, 1030, False), (2, 33, 100, True), (5, 130, 64, False),
+                          (16, 48, 272, True)):
+        x, w, b = _case(gen, m, n, k, dtype, bias)
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        for cfg in (None, config(block_n=8, block_k=64), config(block_n=64, block_k=512)):
+            got = kernel(x, w, b, config=cfg)
+            assert got.dtype == dtype and got.shape == (m, n)
+            torch.testing.assert_close(got.float(), want, atol=TOL[dtype][0] * 10, rtol=TOL[dtype][1])
+
+
+def test_kernel_one_row_bf16():
+    """One row uses no tl.dot, so bf16 is checked under the interpreter too."""
+    kernel, _ = _triton()
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = _case(gen, 1, 40, 200, torch.bfloat16, True)
+    torch.testing.assert_close(kernel(x, w, b).float(), F.linear(x.float(), w.float(), b.float()),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_kernel_strided_input_and_transposed_weight():
+    kernel, _ = _triton()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 2 * 96, generator=gen).to(DEVICE)[:, ::2]  # non-unit stride along K
+    w = torch.randn(96, 50, generator=gen).to(DEVICE).t()  # [50, 96] view of a K-major tensor
+    torch.testing.assert_close(kernel(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_more_than_16_rows_is_a_value_error():
+    x, w = torch.zeros(17, 8), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="M <= 16"):
+        reference(x, w)
+    if PLATFORM.triton_usable():
+        kernel, _ = _triton()
+        with pytest.raises(ValueError, match="at most 16 rows"):
+            kernel(x.to(DEVICE), w.to(DEVICE))
+
+
+def test_layer_hook_routes_only_one_row_inputs():
+    """use_small_m_linear: one-row inputs go through the op, with the layer's bias (a row-parallel
+    layer's too), for linear layers and the LM head; more rows still use F.linear."""
+    calls = []
+
+    def op(x, w, b=None):
+        calls.append((x.shape[0], b is not None))
+        return reference(x, w, b)
+
+    torch.manual_seed(0)
+    qkv, row, head = QKVParallelLinear(16, 4, 2, 1, bias=True), RowParallelLinear(8, 16, bias=True), LMHead(32, 16)
+    router = Router(16, RoutingConfig(num_experts=4, top_k=2))
+    for mod in (qkv, row, head, router):
+        for p in mod.parameters():
+            p.data.normal_()
+    model = torch.nn.ModuleList([qkv, row, head, router])
+    x16 = torch.randn(1, 16)
+
+    def run():
+        return [qkv(x16), row(torch.ones(1, 8)), head(x16), *router(x16)]
+
+    before = run()
+    assert use_small_m_linear(model, op) == 4
+    after = run()
+    assert calls == [(1, True), (1, True), (1, False), (1, False)]
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b)
+    qkv(torch.ones(3, 16))
+    assert len(calls) == 4  # three rows: F.linear
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 16])
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (24576, 4096)])
+def test_gpu_bf16_real_shapes(m, n, k):
+    """Qwen3-30B-A3B qkv / o / router / LM head and Qwen3-8B gate_up, bf16 on the GPU."""
+    kernel, _ = _triton()
+    gen = torch.Generator().manual_seed(n + m)
+    x, w, b = _case(gen, m, n, k, torch.bfloat16, m == 2)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(kernel(x, w, b).float(), want, atol=3e-2, rtol=2e-2)
