@@ -201,3 +201,26 @@ def test_dense_model_matches_hf_bf16_on_gpu(kind, tmp_path):
             assert rel_err(prefill[b], hf(p[None].to(dev)).logits[0]) < 3e-2, f"prefill seq {b}"
             ext = torch.cat([p, next_ids[b: b + 1]])[None].to(dev)
             assert rel_err(decode[b], hf(ext).logits[0, -1]) < 3e-2, f"decode seq {b}"
+
+
+def test_qwen3_through_the_triton_kernels_matches_hf(tmp_path):
+    """The Triton implementations in a whole q/k-norm model (the interpreter on CPU): qk_norm_rotary_cache
+    writes the cache that paged attention then reads, so a wrong slot or head shows in the decode logits."""
+    from turnout.ops import Policy
+
+    platform = detect_platform("cpu")
+    if not platform.triton_usable():
+        pytest.skip("Triton does not run here")
+    ops = resolve(platform, Policy.parse("prefer=triton"))
+    for op in ("qk_norm_rotary_cache", "paged_attention", "fused_add_rms_norm"):
+        assert ops.chosen(op) == "triton.default", op
+    hf = make_hf_model("qwen3", tmp_path, seed=3)
+    loaded = load_model(str(tmp_path), device=torch.device("cpu"), ops=ops)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in PROMPT_LENS]
+    prefill, next_ids, decode = run_prefill_and_decode(loaded.model, loaded.hf_config, prompts, "cpu", torch.float32)
+    with torch.no_grad():
+        for b, p in enumerate(prompts):
+            assert rel_err(prefill[b], hf(p[None]).logits[0]) < 1e-4, f"prefill seq {b}"
+            ref_next = hf(torch.cat([p, next_ids[b: b + 1]])[None]).logits[0, -1]
+            assert rel_err(decode[b], ref_next) < 1e-4, f"decode seq {b}"

@@ -234,6 +234,33 @@ def test_gpu_norm_rotary_cache_real_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 300])
+def test_gpu_qk_norm_rotary_cache_real_shapes(t):
+    """Qwen3-30B-A3B attention (32/4 heads, d 128) in bf16: q/k norm + RoPE in the fused qkv and the cache
+    writes of one launch equal the reference's, padding slots included."""
+    g = torch.Generator().manual_seed(t)
+    hq, hk, d, nb, bs = 32, 4, 128, 64, 16
+    qkv = torch.randn((t, (hq + 2 * hk) * d), generator=g).cuda().bfloat16()
+    qw, kw = [(torch.randn(d, generator=g) * 0.1 + 1).cuda().bfloat16() for _ in range(2)]
+    cs = ref_rotary.make_cos_sin_cache(d, 40960, 1e6).cuda()
+    pos = torch.randint(0, 40960, (t,), generator=g).cuda()
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[::7] = -1
+    outs = []
+    for fn in (rotary.qk_norm_rotary_cache, ref_rotary.qk_norm_rotary_cache):
+        buf = qkv.clone()
+        kc, vc = torch.zeros((nb, bs, hk, d), device="cuda", dtype=torch.bfloat16), torch.zeros(
+            (nb, bs, hk, d), device="cuda", dtype=torch.bfloat16)
+        fn(pos, buf[:, : hq * d].view(t, hq, d), buf[:, hq * d: (hq + hk) * d].view(t, hk, d),
+           buf[:, (hq + hk) * d:].view(t, hk, d), qw, kw, 1e-6, cs, True, kc, vc, slots.cuda())
+        outs.append((buf, kc, vc))
+    (buf, kc, vc), (rbuf, rkc, rvc) = outs
+    _close(buf, rbuf, 6e-2, 2e-2)
+    _close(kc, rkc, 6e-2, 2e-2)
+    assert torch.equal(vc, rvc)
+
+
+@pytest.mark.gpu
 def test_gpu_swap_blocks_both_directions():
     g = torch.Generator().manual_seed(0)
     gpu = torch.randn((32, 16, 8, 128), generator=g).cuda().bfloat16()

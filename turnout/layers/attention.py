@@ -46,12 +46,16 @@ class Attention(nn.Module):
         self.ops = ops
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D] (may be strided views of a fused qkv) -> [T, Hq, D]."""
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                cache_written: bool = False) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] (may be strided views of a fused qkv) -> [T, Hq, D].
+
+        ``cache_written``: the caller already wrote k and v into the cache (``qk_norm_rotary_cache``)."""
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hk, D] each
-        # Kernels index these with dense strides; copying here is cheaper than a wrong answer.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # Kernels index q with dense strides; copying here is cheaper than a wrong answer.
+        q = q.contiguous()
+        if not cache_written:
+            self.ops.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
         return self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
                                         self.scale)

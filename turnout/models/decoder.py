@@ -80,11 +80,12 @@ class DecoderAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D], strided view of the fused qkv
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # per-head norms, then RoPE, in place in the fused qkv
-            self.rotary_emb.with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        if self.qk_norm:  # per-head norms, then RoPE, in place in the fused qkv; k and v into the cache
+            self.rotary_emb.with_qk_norm(positions, q, k, self.q_norm, self.k_norm, v, kv_cache, meta.slot_mapping)
+            out = self.attn(q, k, v, kv_cache, meta, cache_written=True)  # [T, Hq, D]
         else:
             self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta)  # [T, Hq, D]
+            out = self.attn(q, k, v, kv_cache, meta)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -1,6 +1,7 @@
 import torch
 
 from turnout.ops.reference._util import randint, randn
+from turnout.ops.reference.cache import reshape_and_cache
 from turnout.ops.reference.norm import rms_norm
 from turnout.ops.spec import OpSpec, SampleCase
 
@@ -40,6 +41,17 @@ def qk_norm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tens
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
 
 
+def qk_norm_rotary_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
+                         is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """``qk_norm_rotary`` then ``reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)``: the whole
+    attention prologue of a q/k-norm model before paged attention (value [T, Hk, D] may be a strided view of
+    the fused qkv; slot -1 is padding and writes nothing)."""
+    qk_norm_rotary(positions, query, key, q_weight, k_weight, eps, cos_sin_cache, is_neox)
+    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
 def make_cos_sin_cache(rot_dim: int, max_position: int, base: float = 10000.0) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
@@ -77,3 +89,25 @@ QK_NORM_ROTARY = OpSpec(
     "qk_norm_rotary", qk_norm_rotary, _qk_norm_samples, mutates=("query", "key"),
     tolerance={"float32": (1e-5, 1e-5), "float16": (1e-2, 1e-2), "bfloat16": (6e-2, 2e-2)},
     doc="per-head RMSNorm of q and k, then RoPE, in place (q/k-norm models)")
+
+
+def _qk_norm_cache_samples(device, dtype, gen):
+    for i, case in enumerate(_qk_norm_samples(device, dtype, gen)):
+        pos, q, k, qw, kw, eps, cache, neox = case.args
+        t, hk, d = k.shape
+        hq = q.shape[1]
+        # value: the third view of the same fused qkv (strided), as the model passes it
+        base = q.as_strided((t, (hq + 2 * hk) * d), (q.stride(0), 1))
+        v = base[:, (hq + hk) * d:].view(t, hk, d)
+        nb, bs = 8, (16, 8, 4, 16)[i % 4]
+        kc, vc = randn((nb, bs, hk, d), dtype, device, gen), randn((nb, bs, hk, d), dtype, device, gen)
+        slots = torch.randperm(nb * bs, generator=gen)[:t]
+        slots[torch.rand(t, generator=gen) < 0.2] = -1  # padding lanes
+        yield SampleCase(case.label + f"-BS{bs}", (pos, q, k, v, qw, kw, eps, cache, neox, kc, vc, slots.to(device)))
+
+
+QK_NORM_ROTARY_CACHE = OpSpec(
+    "qk_norm_rotary_cache", qk_norm_rotary_cache, _qk_norm_cache_samples,
+    mutates=("query", "key", "k_cache", "v_cache"),
+    tolerance={"float32": (1e-5, 1e-5), "float16": (1e-2, 1e-2), "bfloat16": (6e-2, 2e-2)},
+    doc="qk_norm_rotary, then the new k and v written into the paged KV cache (one launch on GPUs)")

@@ -16,6 +16,7 @@ KERNELS: dict[str, str] = {
     "fused_add_rms_norm": "norm:fused_add_rms_norm",
     "rotary_embedding": "rotary:rotary_embedding",
     "qk_norm_rotary": "rotary:qk_norm_rotary",
+    "qk_norm_rotary_cache": "rotary:qk_norm_rotary_cache",
     "silu_and_mul": "activation:silu_and_mul",
     "reshape_and_cache": "cache:reshape_and_cache",
     "copy_blocks": "cache:copy_blocks",

@@ -62,13 +62,14 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 @triton.jit
-def _norm_rotate_heads(base, stride_h, h0, num_heads, W, eps, cos, sin, offs_i, offs_t,
-                       D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr):
+def _norm_rotate_heads(base, stride_h, h0, num_heads, W, eps, cos, sin, offs_i, offs_t, dst, dst_stride_h,
+                       dst_heads, D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_H: tl.constexpr, TO_DST: tl.constexpr):
     """RMSNorm over each of BLOCK_H heads (D values), then RoPE on the first ROT. The head is read once,
     as its two rotating halves (pairs) and the tail beyond ROT. Rounding as the reference does:
     normalised in float32, rounded to the input dtype, scaled by the weight, rounded, then rotated in
-    float32."""
+    float32. ``TO_DST``: the result is also stored at ``dst`` (a KV-cache slot), for heads below
+    ``dst_heads`` (0: a padding token, nothing stored)."""
     offs_h = h0 + tl.arange(0, BLOCK_H)
     h_ok = offs_h < num_heads
     if IS_NEOX:
@@ -98,16 +99,27 @@ def _norm_rotate_heads(base, stride_h, h0, num_heads, W, eps, cos, sin, offs_i, 
     y1 = (w1 * (x1f * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     y2 = (w2 * (x2f * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     yt = (wt * (xtf * r).to(dt).to(tl.float32)).to(dt)
-    tl.store(row + i1[None, :], (y1 * cos[None, :] - y2 * sin[None, :]).to(dt), mask=m)
-    tl.store(row + i2[None, :], (y2 * cos[None, :] + y1 * sin[None, :]).to(dt), mask=m)
+    o1 = (y1 * cos[None, :] - y2 * sin[None, :]).to(dt)
+    o2 = (y2 * cos[None, :] + y1 * sin[None, :]).to(dt)
+    tl.store(row + i1[None, :], o1, mask=m)
+    tl.store(row + i2[None, :], o2, mask=m)
     tl.store(row + tail[None, :], yt, mask=mt)
+    if TO_DST:
+        d_ok = (offs_h < dst_heads)[:, None]
+        drow = dst + offs_h[:, None] * dst_stride_h
+        tl.store(drow + i1[None, :], o1.to(dst.dtype.element_ty), mask=m & d_ok)
+        tl.store(drow + i2[None, :], o2.to(dst.dtype.element_ty), mask=m & d_ok)
+        tl.store(drow + tail[None, :], yt.to(dst.dtype.element_ty), mask=mt & d_ok)
 
 
 @triton.jit
 def _qk_norm_rotary_kernel(POS, Q, K, QW, KW, CS, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                           num_q_heads, num_k_heads, D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
-                           HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                           BLOCK_TAIL: tl.constexpr):
+                           num_q_heads, num_k_heads,
+                           V, KC, VC, SLOTS, stride_vt, stride_vh, stride_kcb, stride_kcs, stride_kch,
+                           stride_vcb, stride_vcs, stride_vch,
+                           D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HALF: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+                           BS: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_CACHE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
     pos = tl.load(POS + t).to(tl.int64)
@@ -118,15 +130,27 @@ def _qk_norm_rotary_kernel(POS, Q, K, QW, KW, CS, eps, stride_qt, stride_qh, str
     sin = tl.load(CS + pos * stride_cs + HALF + offs_i, mask=cmask, other=0.0).to(tl.float32)
     if h0 < num_q_heads:
         _norm_rotate_heads(Q + t * stride_qt, stride_qh, h0, num_q_heads, QW, eps, cos, sin, offs_i, offs_t,
-                           D, ROT, IS_NEOX, HALF, BLOCK_H)
+                           Q, 0, 0, D, ROT, IS_NEOX, HALF, BLOCK_H, False)
     if h0 < num_k_heads:
-        _norm_rotate_heads(K + t * stride_kt, stride_kh, h0, num_k_heads, KW, eps, cos, sin, offs_i, offs_t,
-                           D, ROT, IS_NEOX, HALF, BLOCK_H)
+        if WRITE_CACHE:
+            slot = tl.load(SLOTS + t).to(tl.int64)
+            cache_heads = tl.where(slot >= 0, num_k_heads, 0)  # slot -1: padding, nothing written
+            slot = tl.maximum(slot, 0)
+            kdst = KC + (slot // BS) * stride_kcb + (slot % BS) * stride_kcs
+            _norm_rotate_heads(K + t * stride_kt, stride_kh, h0, num_k_heads, KW, eps, cos, sin, offs_i, offs_t,
+                               kdst, stride_kch, cache_heads, D, ROT, IS_NEOX, HALF, BLOCK_H, True)
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            offs_d = tl.arange(0, BLOCK_D)
+            vm = (offs_h < cache_heads)[:, None] & (offs_d < D)[None, :]
+            v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=vm)
+            vdst = VC + (slot // BS) * stride_vcb + (slot % BS) * stride_vcs
+            tl.store(vdst + offs_h[:, None] * stride_vch + offs_d[None, :], v.to(VC.dtype.element_ty), mask=vm)
+        else:
+            _norm_rotate_heads(K + t * stride_kt, stride_kh, h0, num_k_heads, KW, eps, cos, sin, offs_i, offs_t,
+                               K, 0, 0, D, ROT, IS_NEOX, HALF, BLOCK_H, False)
 
 
-def qk_norm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
-                   k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
-    """One launch for q/k RMSNorm + RoPE (the reference: turnout/ops/reference/rotary.py)."""
+def _qk_norm_rotary(positions, query, key, q_weight, k_weight, eps, cos_sin_cache, is_neox, cache_args) -> None:
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return
@@ -138,8 +162,34 @@ def qk_norm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tens
     hq, hk = query.shape[1], key.shape[1]
     block_h = min(triton.next_power_of_2(max(hq, hk)), 8)
     grid = (num_tokens, triton.cdiv(max(hq, hk), block_h))
+    if cache_args is None:
+        value, k_cache, v_cache, slots = key, key, key, positions  # unused (WRITE_CACHE False)
+        cache_strides, bs = (0,) * 8, 1
+    else:
+        value, k_cache, v_cache, slots = cache_args
+        if value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("qk_norm_rotary_cache needs a unit stride on the head dimension")
+        cache_strides = (value.stride(0), value.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3])
+        bs = k_cache.shape[1]
     _qk_norm_rotary_kernel[grid](
         positions, query, key, q_weight, k_weight, cos_sin_cache, float(eps), query.stride(0), query.stride(1),
-        key.stride(0), key.stride(1), cos_sin_cache.stride(0), hq, hk, D=d, ROT=rot_dim, IS_NEOX=bool(is_neox),
-        HALF=rot_dim // 2, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(rot_dim // 2),
-        BLOCK_TAIL=triton.next_power_of_2(max(d - rot_dim, 1)), num_warps=4)
+        key.stride(0), key.stride(1), cos_sin_cache.stride(0), hq, hk,
+        value, k_cache, v_cache, slots, *cache_strides,
+        D=d, ROT=rot_dim, IS_NEOX=bool(is_neox), HALF=rot_dim // 2, BLOCK_H=block_h,
+        BLOCK_HALF=triton.next_power_of_2(rot_dim // 2), BLOCK_TAIL=triton.next_power_of_2(max(d - rot_dim, 1)),
+        BS=bs, BLOCK_D=triton.next_power_of_2(d), WRITE_CACHE=cache_args is not None, num_warps=4)
+
+
+def qk_norm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """One launch for q/k RMSNorm + RoPE (the reference: turnout/ops/reference/rotary.py)."""
+    _qk_norm_rotary(positions, query, key, q_weight, k_weight, eps, cos_sin_cache, is_neox, None)
+
+
+def qk_norm_rotary_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
+                         is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """The same launch also writes the new k (normalised, rotated) and v into the paged cache."""
+    _qk_norm_rotary(positions, query, key, q_weight, k_weight, eps, cos_sin_cache, is_neox,
+                    (value, k_cache, v_cache, slot_mapping))

@@ -13,6 +13,7 @@ OPS = {
     "fused_add_rms_norm": "norm:fused_add_rms_norm",
     "rotary_embedding": "rotary:rotary_embedding",
     "qk_norm_rotary": "rotary:qk_norm_rotary",
+    "qk_norm_rotary_cache": "rotary:qk_norm_rotary_cache",
     "reshape_and_cache": "cache:reshape_and_cache",
 }
 

@@ -2,6 +2,7 @@
 
 import torch
 
+from turnout.ops.vendors.cpu.cache import reshape_and_cache
 from turnout.ops.vendors.cpu.norm import rms_norm
 
 
@@ -31,3 +32,10 @@ def qk_norm_rotary(positions, query, key, q_weight, k_weight, eps: float, cos_si
     query.copy_(rms_norm(query, q_weight, eps))
     key.copy_(rms_norm(key, k_weight, eps))
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+
+
+def qk_norm_rotary_cache(positions, query, key, value, q_weight, k_weight, eps: float, cos_sin_cache, is_neox: bool,
+                         k_cache, v_cache, slot_mapping) -> None:
+    """The two CPU paths in a row: nothing to gain from one kernel here."""
+    qk_norm_rotary(positions, query, key, q_weight, k_weight, eps, cos_sin_cache, is_neox)
+    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
