@@ -97,7 +97,7 @@ EOF
 # 1. GPU tests. Server tests need fastapi; their collection errors must not stop the rest.
 PT_TIMEOUT=()
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then PT_TIMEOUT=(--timeout 120); fi
-step pytest_gpu ${PYTEST_CAP:-75} "$PY" -m pytest -q -m gpu tests/ --maxfail=5 --continue-on-collection-errors -p no:cacheprovider \
+step pytest_gpu ${PYTEST_CAP:-150} "$PY" -m pytest -q -m gpu tests/ --maxfail=5 --continue-on-collection-errors -p no:cacheprovider \
   ${PT_TIMEOUT[@]+"${PT_TIMEOUT[@]}"} --junitxml="$OUT/pytest_gpu.xml"
 
 # 2. Conformance suite on CUDA (JSON on stdout).
