@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from turnout.ops.triton._pdl import pdl_args, pdl_wait
+
 LOG2E = 1.4426950408889634
 
 # Decode only (max_query_len <= _SPLIT_MAX_Q) is split. The split count is fixed from host ints (so a
@@ -39,7 +41,8 @@ def _paged_attn_kernel(
         stride_ot, stride_oh, stride_bt, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
         G: tl.constexpr, G_TILE: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, HEAD_D: tl.constexpr,
-        D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+        D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
     pid2 = tl.program_id(2)
@@ -118,7 +121,9 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _split_reduce_kernel(WS_O, WS_LSE, O, num_splits, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
-                         stride_ot, stride_oh, S_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr):
+                         stride_ot, stride_oh, S_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -206,12 +211,12 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         block_tables.stride(0), ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), ws_lse.stride(1),
         G=group, G_TILE=cfg["G_TILE"], NUM_HEAD_TILES=num_head_tiles, BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
-        SPLIT=split, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SPLIT=split, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(query))
     if split:
         _split_reduce_kernel[(num_tokens, hq)](
             ws_o, ws_lse, out, num_splits, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
             ws_lse.stride(1), out.stride(0), out.stride(1), S_PAD=triton.next_power_of_2(num_splits),
-            HEAD_D=head_dim, D_PAD=cfg["D_PAD"], num_warps=4)
+            HEAD_D=head_dim, D_PAD=cfg["D_PAD"], num_warps=4, **pdl_args(query))
     return out
 
 

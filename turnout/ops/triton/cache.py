@@ -4,12 +4,15 @@ import torch
 import triton
 import triton.language as tl
 
+from turnout.ops.triton._pdl import pdl_args, pdl_wait
+
 
 @triton.jit
 def _reshape_and_cache_kernel(KEY, VALUE, KC, VC, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                               num_heads, BS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                              BLOCK_D: tl.constexpr):
+                              BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot >= 0:
@@ -39,7 +42,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     _reshape_and_cache_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), hk, BS=k_cache.shape[1], D=d, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+        v_cache.stride(2), hk, BS=k_cache.shape[1], D=d, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, **pdl_args(key))
 
 
 @triton.jit

@@ -13,8 +13,9 @@ reach well under the copy bandwidth on these shapes (cuBLAS on the H200: ~40 % o
   across lanes once, after the loop (a reduction per iteration costs more than the loads); two or more
   rows use ``tl.dot`` with BLOCK_M = 16 (rows beyond M are masked to zero).
 
-Accumulation is fp32; the output has x's dtype. The config is chosen from (M, N, K) by ``pick_config``
-(tuned on the H200 with ``benchmarks/small_m_linear.py --sweep``).
+With programmatic dependent launch (turnout/ops/triton/_pdl.py) the one-row path reads its first weight
+tile before waiting for the previous kernel. Accumulation is fp32; the output has x's dtype. The config is
+chosen from (M, N, K) by ``pick_config`` (tuned on the H200 with ``benchmarks/small_m_linear.py --sweep``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 
 from turnout.ops.reference.linear import MAX_M
+from turnout.ops.triton._pdl import pdl_args, pdl_wait
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -40,11 +42,25 @@ class SmallMConfig:
 
 
 @triton.jit
+def _tile(w_rows, x_rows, k0, K, row_ok, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight tile [BN, BK] (contiguous along K) and the x tile [BM, BK] at k0."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        w = tl.load(w_rows + ks[None, :])
+        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+    else:
+        k_ok = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
+        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    return w, a
+
+
+@triton.jit
 def _small_m_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
                     stride_xm, stride_wn, stride_ym,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -54,26 +70,26 @@ def _small_m_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
     if USE_DOT:
+        pdl_wait(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:  # one row: products summed along K in registers, reduced across lanes once at the end
-        part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_rows + ks[None, :])  # [BN, BK], contiguous along K
-            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BK]
-        else:
-            k_ok = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
-            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if USE_DOT:
+        for k0 in range(0, K, BLOCK_K):
+            w, a = _tile(w_rows, x_rows, k0, K, row_ok, BLOCK_K, EVEN_K)
             if UPCAST:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+    else:  # one row: products summed along K in registers, reduced across lanes once at the end
+        ks = tl.arange(0, BLOCK_K)  # the first weight tile is a constant: read before the wait (PDL)
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :])
         else:
-            part += w.to(tl.float32) * a.to(tl.float32)  # [BN, BK] * [1, BK]
-    if not USE_DOT:
+            w = tl.load(w_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+        pdl_wait(PDL)
+        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        part = w.to(tl.float32) * a.to(tl.float32)  # [BN, BK] * [1, BK]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w, a = _tile(w_rows, x_rows, k0, K, row_ok, BLOCK_K, EVEN_K)
+            part += w.to(tl.float32) * a.to(tl.float32)
         acc = tl.sum(part, axis=1)[None, :]  # [1, BN]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -126,5 +142,5 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
         USE_DOT=use_dot, PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages, **pdl_args(x))
     return y

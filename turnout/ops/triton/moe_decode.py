@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from turnout.ops.triton._pdl import pdl_args, pdl_wait
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Up to this many (token, slot) pairs per expert on average the decode path is used (Qwen3-30B-A3B:
@@ -106,7 +108,8 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr,
                            stride_xt, stride_we, stride_wn, stride_act,
                            SCAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, BY_SLOT: tl.constexpr, EVEN_K: tl.constexpr,
-                           PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                           PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     expert, count = _owned_expert(ids_ptr, num_pairs, num_experts, SCAN, BY_SLOT)
     if count == 0:
         return
@@ -149,7 +152,8 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
                         stride_act, stride_we, stride_wn, stride_out,
                         SCAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BY_SLOT: tl.constexpr, EVEN_K: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     expert, count = _owned_expert(ids_ptr, num_pairs, num_experts, SCAN, BY_SLOT)
     if count == 0:
         return
@@ -182,7 +186,8 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
 
 @triton.jit
 def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, top_k, num_experts, H, stride_pair, stride_out,
-                      KP: tl.constexpr, BLOCK_H: tl.constexpr):
+                      KP: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     """All k slots of a column tile in one [KP, BLOCK_H] load (one memory round trip, not k), summed over
     axis 0 in the compiled reduction's fixed order (the same result on every run)."""
     t = tl.program_id(0)
@@ -241,18 +246,19 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         SCAN=scan, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, BY_SLOT=by_slot,
         EVEN_K=hidden_size % bk1 == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=stages)
+        num_warps=cfg.num_warps, num_stages=stages, **pdl_args(hidden))
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)  # [T*k, H]
     _decode_down_kernel[(grid0, triton.cdiv(hidden_size, bn2))](
         act, w2, weights, pair_out, ids, num_pairs, num_experts, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         SCAN=scan, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, BY_SLOT=by_slot,
         EVEN_K=inter % bk2 == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg.num_warps2 or cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages2 or stages)
+        num_warps=cfg.num_warps2 or cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages2 or stages,
+        **pdl_args(hidden))
     out = torch.empty_like(hidden)  # [T, H]
     kp = _pow2(top_k)
     block_h = max(16, min(_pow2(hidden_size), 4096 // kp))  # a [KP, BLOCK_H] fp32 tile of <= 16 KB
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         pair_out, ids, out, top_k, num_experts, hidden_size, pair_out.stride(0), out.stride(0),
-        KP=kp, BLOCK_H=block_h, num_warps=4)
+        KP=kp, BLOCK_H=block_h, num_warps=4, **pdl_args(hidden))
     return out

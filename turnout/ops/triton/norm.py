@@ -4,9 +4,12 @@ import torch
 import triton
 import triton.language as tl
 
+from turnout.ops.triton._pdl import pdl_args, pdl_wait
+
 
 @triton.jit
-def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, H, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, H, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -20,7 +23,8 @@ def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, H, eps, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _fused_add_rms_norm_kernel(X, R, W, stride_x, stride_r, H, eps, BLOCK: tl.constexpr):
+def _fused_add_rms_norm_kernel(X, R, W, stride_x, stride_r, H, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -55,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     block, warps = _launch_params(h)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out2, x2.stride(0), out2.stride(0), h, eps, BLOCK=block,
-                                     num_warps=warps)
+                                     num_warps=warps, **pdl_args(x2))
     return out
 
 
@@ -67,4 +71,4 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         return
     block, warps = _launch_params(h)
     _fused_add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, x.stride(0), residual.stride(0), h, eps,
-                                               BLOCK=block, num_warps=warps)
+                                               BLOCK=block, num_warps=warps, **pdl_args(x))

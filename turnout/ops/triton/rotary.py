@@ -4,6 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
+from turnout.ops.triton._pdl import pdl_args, pdl_wait
+
 
 @triton.jit
 def _rotate_heads(base, stride_h, h0, num_heads, cos, sin, offs_i,
@@ -29,7 +31,8 @@ def _rotate_heads(base, stride_h, h0, num_heads, cos, sin, offs_i,
 @triton.jit
 def _rotary_kernel(POS, Q, K, CS, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, num_q_heads,
                    num_k_heads, IS_NEOX: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr):
+                   BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
     pos = tl.load(POS + t).to(tl.int64)
@@ -58,7 +61,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     grid = (num_tokens, triton.cdiv(max(hq, hk), block_h))
     _rotary_kernel[grid](positions, query, key, cos_sin_cache, query.stride(0), query.stride(1), key.stride(0),
                          key.stride(1), cos_sin_cache.stride(0), hq, hk, IS_NEOX=bool(is_neox), HALF=rot_dim // 2,
-                         BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(rot_dim // 2), num_warps=4)
+                         BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(rot_dim // 2), num_warps=4,
+                         **pdl_args(query))
 
 
 @triton.jit
@@ -119,7 +123,8 @@ def _qk_norm_rotary_kernel(POS, Q, K, QW, KW, CS, eps, stride_qt, stride_qh, str
                            stride_vcb, stride_vcs, stride_vch,
                            D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-                           BS: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_CACHE: tl.constexpr):
+                           BS: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_CACHE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
     pos = tl.load(POS + t).to(tl.int64)
@@ -177,7 +182,7 @@ def _qk_norm_rotary(positions, query, key, q_weight, k_weight, eps, cos_sin_cach
         value, k_cache, v_cache, slots, *cache_strides,
         D=d, ROT=rot_dim, IS_NEOX=bool(is_neox), HALF=rot_dim // 2, BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(rot_dim // 2), BLOCK_TAIL=triton.next_power_of_2(max(d - rot_dim, 1)),
-        BS=bs, BLOCK_D=triton.next_power_of_2(d), WRITE_CACHE=cache_args is not None, num_warps=4)
+        BS=bs, BLOCK_D=triton.next_power_of_2(d), WRITE_CACHE=cache_args is not None, num_warps=4, **pdl_args(query))
 
 
 def qk_norm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,

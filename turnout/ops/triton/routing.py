@@ -11,12 +11,14 @@ import triton
 import triton.language as tl
 
 from turnout.ops.reference import routing as ref
+from turnout.ops.triton._pdl import pdl_args, pdl_wait
 
 
 @triton.jit
 def _route_kernel(LOGITS, BIAS, SCALE, W_OUT, ID_OUT, E, stride_row, scaling,
                   K: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr, AFTER_TOPK: tl.constexpr,
-                  RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+                  RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -75,5 +77,5 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring: str, softma
                         K=top_k, BLOCK_E=triton.next_power_of_2(e), SIGMOID=scoring == "sigmoid",
                         AFTER_TOPK=bool(softmax_after_topk), RENORM=bool(renormalize),
                         HAS_BIAS=e_score_correction_bias is not None, HAS_SCALE=per_expert_scale is not None,
-                        num_warps=4 if e > 256 else 1)
+                        num_warps=4 if e > 256 else 1, **pdl_args(logits))
     return weights, ids

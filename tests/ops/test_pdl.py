@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (turnout/ops/triton/_pdl.py): when it is on, and that a chain of kernels
+launched with it inside a CUDA graph computes exactly what the same chain computes without it."""
+
+import pytest
+import torch
+
+from turnout.ops.triton import _pdl
+
+
+def test_off_on_cpu_and_when_the_environment_says_so(monkeypatch):
+    assert _pdl.pdl_args(torch.zeros(1)) == {"PDL": False}
+    monkeypatch.setenv("TURNOUT_PDL", "0")
+    assert not _pdl.pdl_enabled(torch.device("cuda", 0))
+
+
+def _chain(x, residual, weights, norm_w, steps):
+    """What a decode layer chains: add + norm, one-row projection, SiLU-and-mul, projection."""
+    from turnout.ops.triton.activation import silu_and_mul
+    from turnout.ops.triton.linear import small_m_linear
+    from turnout.ops.triton.norm import fused_add_rms_norm
+
+    for i in range(steps):
+        fused_add_rms_norm(x, residual, norm_w, 1e-6)
+        up = small_m_linear(x, weights[i % len(weights)][0])
+        x = small_m_linear(silu_and_mul(up), weights[i % len(weights)][1])
+    return x
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch):
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs sm90+")
+    assert _pdl.pdl_enabled(torch.device("cuda"))
+    g = torch.Generator().manual_seed(0)
+    h, inter = 2048, 1536
+    weights = [((torch.randn(2 * inter, h, generator=g) * h ** -0.5).cuda().bfloat16(),
+                (torch.randn(h, inter, generator=g) * inter ** -0.5).cuda().bfloat16()) for _ in range(8)]
+    norm_w = (torch.randn(h, generator=g) * 0.1 + 1).cuda().bfloat16()
+    x0 = torch.randn(1, h, generator=g).cuda().bfloat16()
+    r0 = torch.randn(1, h, generator=g).cuda().bfloat16()
+    results = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("TURNOUT_PDL", mode)
+        x, r = x0.clone(), r0.clone()
+        _chain(x.clone(), r.clone(), weights, norm_w, 2)  # compile
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(x, r, weights, norm_w, 40)
+        for _ in range(3):  # replays continue from the state the last one left
+            graph.replay()
+        torch.cuda.synchronize()
+        results[mode] = (out.clone(), r.clone())
+    assert torch.equal(results["1"][0], results["0"][0])
+    assert torch.equal(results["1"][1], results["0"][1])

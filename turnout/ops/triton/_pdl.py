@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL) for the kernels of a decode step, on NVIDIA GPUs from sm90 (Hopper).
+
+A batch-1 decode step is a chain of ~500 small kernels, and each pays a fixed cost at its start (launch,
+first loads in flight) that no kernel tuning removes. Launched with PDL, a kernel may start while the one
+before it in the stream is still running. Every kernel that takes part follows one protocol:
+
+1. before ``pdl_wait`` it reads only constants (weights), never an activation, input or output buffer;
+2. every program calls ``pdl_wait`` (``gdc_wait``: returns once the previous kernel has completed and its
+   writes are visible), including programs that exit early, before touching any other memory. So a
+   kernel never completes before the one it follows, and completion order stays the stream order,
+   transitively through the chain;
+3. ``pdl_wait`` then calls ``gdc_launch_dependents``: the next kernel may start launching now.
+
+Kernels that do not take part (cuBLAS, torch's own ops, the sampler) are launched normally, and a normal
+launch waits for everything before it. ``TURNOUT_PDL=0`` turns it off (then ``PDL`` is False and the
+kernels compile exactly as before).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.3 (NVIDIA backend)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton or another backend: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(device_index: int) -> bool:
+    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
+        return False
+    if torch.cuda.get_device_capability(device_index) < (9, 0):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    if device.type != "cuda" or os.environ.get("TURNOUT_PDL", "1") == "0":
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """Launch keyword arguments for a kernel with a ``PDL: tl.constexpr`` parameter, on t's device."""
+    if pdl_enabled(t.device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
