@@ -48,7 +48,9 @@ class ModelRunner:
         if platform.is_gpu and small_m is not None and small_m.chosen not in (None, "reference.torch"):
             from turnout.layers.linear import use_small_m_linear
 
-            use_small_m_linear(self.model, ops.small_m_linear)  # one-row projections (batch-1 decode)
+            # one-row projections (batch-1 decode); looked up per call, so the layers see the op table's
+            # implementation once its first call has settled it (or fallen back)
+            use_small_m_linear(self.model, lambda x, w, b=None: ops.small_m_linear(x, w, b))
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]
