@@ -73,6 +73,8 @@ def test_more_than_16_rows_is_a_value_error():
         kernel, _ = _triton()
         with pytest.raises(ValueError, match="at most 16 rows"):
             kernel(x.to(DEVICE), w.to(DEVICE))
+        with pytest.raises(ValueError, match=r"weight \[N, K\]"):
+            kernel(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 9, device=DEVICE))
 
 
 def test_layer_hook_routes_only_one_row_inputs():

@@ -119,6 +119,9 @@ def pick_config(m: int, n: int, k: int) -> SmallMConfig:
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    config: SmallMConfig | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16), weight [N, K], bias [N] or None -> [M, N] in x's dtype."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"small_m_linear takes x [M, K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_M:
