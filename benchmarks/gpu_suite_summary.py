@@ -146,6 +146,7 @@ def headline(r: dict) -> dict:
         h["hf_same_weights_identical"] = same.get("weights_identical")
         h["hf_same_weights_greedy_match"] = same.get("greedy_match")
         h["hf_same_weights_first_mismatch"] = same.get("first_mismatch")
+        h["hf_same_weights_mismatches_all_near_ties"] = same.get("mismatches_all_near_ties")
     m1, m64, hm = (r.get(k) or {} for k in ("moe_b1", "moe_b64", "hf_moe"))
     if m1 or m64 or hm:
         h["moe_model"] = m1.get("model") or m64.get("model")

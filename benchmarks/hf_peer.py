@@ -129,6 +129,31 @@ def turnout_greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+NEAR_TIE_ULPS = 4  # a flip within this many ulps of the model dtype, at the logits' scale, is a near-tie
+
+
+@torch.no_grad()
+def mismatch_margins(hf_model, prompts, hf_tokens, ours, first) -> list[dict]:
+    """For each prompt whose greedy tokens diverge at position i: HF's logits there, the margin between its
+    top two, and the gap between HF's choice and ours, in ulps of the model dtype at the logits' scale.
+    A gap of a few ulps is a near-tie that summation order can flip; a large one is a wrong kernel."""
+    dev = next(hf_model.parameters()).device
+    mant = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}.get(hf_model.dtype, 23)
+    out = []
+    for j, (p, a, b, i) in enumerate(zip(prompts, hf_tokens, ours, first)):
+        if i is None or i >= min(len(a), len(b)):
+            continue
+        logits = hf_model(torch.tensor([list(p) + a[:i]], device=dev)).logits[0, -1].float()
+        top = logits.topk(2).values
+        scale = logits.abs().max().item()
+        ulp = 2.0 ** (math.floor(math.log2(max(scale, 1e-30))) - mant)
+        gap = (logits[a[i]] - logits[b[i]]).item()
+        out.append({"prompt": j, "position": i, "hf_token": a[i], "turnout_token": b[i],
+                    "hf_top2_margin": (top[0] - top[1]).item(), "gap_to_turnout_choice": gap,
+                    "logit_scale": scale, "gap_ulps": gap / ulp, "near_tie": gap / ulp <= NEAR_TIE_ULPS})
+    return out
+
+
 def compare(hf_model, llm, prompts, n: int) -> dict:
     """Weights checksum and greedy tokens, turnout vs HF, on identical weights."""
     hf_sum = checksum(hf_model.parameters())
@@ -138,7 +163,10 @@ def compare(hf_model, llm, prompts, n: int) -> dict:
     for x, y in zip(a, b):
         first.append(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None if x == y else min(len(x), len(y))))
     rel = abs(hf_sum["sum_sq"] - tu_sum["sum_sq"]) / max(abs(hf_sum["sum_sq"]), 1e-30)
-    return {"greedy_match": a == b, "num_tokens": n, "first_mismatch": first, "hf_tokens": a, "turnout_tokens": b,
+    margins = mismatch_margins(hf_model, prompts, a, b, first)
+    return {"greedy_match": a == b, "num_tokens": n, "first_mismatch": first, "mismatches": margins,
+            "mismatches_all_near_ties": all(m["near_tie"] for m in margins) if margins else None,
+            "hf_tokens": a, "turnout_tokens": b,
             "checksum_hf": hf_sum, "checksum_turnout": tu_sum, "checksum_rel_diff": rel,
             "weights_identical": rel < 1e-5 and hf_sum["numel"] <= tu_sum["numel"]}
 

@@ -198,3 +198,25 @@ def test_hf_peer_eos_as_argmax_is_not_suppressed(tmp_path):
     hf_peer.load_into_turnout(llm, hf)
     r = hf_peer.compare(hf, llm, prompts, 6)
     assert r["turnout_tokens"][0][0] == first and r["greedy_match"], r
+
+
+def test_hf_peer_measures_how_close_a_greedy_mismatch_was(tmp_path):
+    """A continuation that takes HF's second choice at one position: the report gives the gap between the
+    two logits (HF's top-2 margin there) in ulps, and calls it a near-tie only when it is a few ulps."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import hf_peer
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    hf = hf_peer.build_hf_model(str(_write(tmp_path, TINY)), torch.float32, "cpu", seed=2)
+    prompts = bench_cmd.random_prompts(2, 8, TINY["vocab_size"], seed=13)
+    hf_tokens = hf_peer.hf_greedy(hf, prompts, 5)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompts[0] + hf_tokens[0][:3]])).logits[0, -1]
+    second = int(logits.topk(2).indices[1])
+    ours = [hf_tokens[0][:3] + [second, 0], list(hf_tokens[1])]
+    (m,) = hf_peer.mismatch_margins(hf, prompts, hf_tokens, ours, [3, None])
+    assert (m["prompt"], m["position"], m["hf_token"], m["turnout_token"]) == (0, 3, hf_tokens[0][3], second)
+    assert m["gap_to_turnout_choice"] == pytest.approx(m["hf_top2_margin"], abs=1e-6)
+    assert m["near_tie"] == (m["gap_ulps"] <= hf_peer.NEAR_TIE_ULPS)
+    assert m["gap_ulps"] > 100  # random fp32 logits: the top two are far apart in fp32 ulps
