@@ -132,7 +132,7 @@ class LLMEngine:
         logger.info("engine ready in %.1fs: %s on %s (%s), dtype %s, max_model_len %d, %d KV blocks, "
                     "async scheduling %s, PDL %s", time.perf_counter() - t0, self.model_name, self.platform.name,
                     self.platform.description, loaded.dtype, self.max_model_len, self.runner.num_blocks,
-                    "on" if self._async else "off", "on" if self.pdl else "off")
+                    "on" if self._async else "off", "on" if self.runner.pdl else "off")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -225,17 +225,6 @@ class LLMEngine:
         for rid in ids:
             self.scheduler.abort(rid)
             self._requests.pop(rid, None)
-
-    @property
-    def pdl(self) -> bool:
-        """Whether the Triton kernels launch with programmatic dependent launch (turnout/ops/triton/_pdl.py)."""
-        if not self.platform.is_gpu:
-            return False
-        try:
-            from turnout.ops.triton._pdl import pdl_enabled
-        except ImportError:  # no Triton here
-            return False
-        return pdl_enabled(self.runner.device)
 
     @property
     def async_scheduling(self) -> bool:

@@ -61,6 +61,17 @@ class ModelRunner:
         self.graphs = maybe_capture(self)  # None: every step runs eagerly
 
     @property
+    def pdl(self) -> bool:
+        """Whether the Triton kernels launch with programmatic dependent launch (turnout/ops/triton/_pdl.py)."""
+        if not self.platform.is_gpu:
+            return False
+        try:
+            from turnout.ops.triton._pdl import pdl_enabled
+        except ImportError:  # no Triton here
+            return False
+        return pdl_enabled(self.device)
+
+    @property
     def block_bytes(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem

@@ -148,7 +148,7 @@ def _engine_info(llm, startup_s: float) -> tuple[dict, dict, dict]:
             "num_kv_blocks": runner.num_blocks, "kv_cache_GiB": runner.num_blocks * runner.block_bytes / 2**30,
             "block_size": runner.block_size, "max_model_len": eng.max_model_len,
             "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
-            "async_scheduling": eng.async_scheduling, "pdl": eng.pdl}
+            "async_scheduling": eng.async_scheduling, "pdl": runner.pdl}
     ops = {name: res.chosen for name, res in eng.ops.resolutions.items()}
     return info, g, ops
 

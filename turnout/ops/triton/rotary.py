@@ -8,16 +8,23 @@ from turnout.ops.triton._pdl import pdl_args, pdl_wait
 
 
 @triton.jit
-def _rotate_heads(base, stride_h, h0, num_heads, cos, sin, offs_i,
-                  IS_NEOX: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    offs_h = h0 + tl.arange(0, BLOCK_H)
-    mask = (offs_h < num_heads)[:, None] & (offs_i < HALF)[None, :]
+def _pair_index(offs_i, IS_NEOX: tl.constexpr, HALF: tl.constexpr):
+    """The two elements rotated together: halves (neox) or interleaved pairs (gptj)."""
     if IS_NEOX:
         i1 = offs_i
         i2 = offs_i + HALF
     else:
         i1 = offs_i * 2
         i2 = offs_i * 2 + 1
+    return i1, i2
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, h0, num_heads, cos, sin, offs_i,
+                  IS_NEOX: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask = (offs_h < num_heads)[:, None] & (offs_i < HALF)[None, :]
+    i1, i2 = _pair_index(offs_i, IS_NEOX, HALF)
     p1 = base + offs_h[:, None] * stride_h + i1[None, :]
     p2 = base + offs_h[:, None] * stride_h + i2[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0)
@@ -76,12 +83,7 @@ def _norm_rotate_heads(base, stride_h, h0, num_heads, W, eps, cos, sin, offs_i, 
     ``dst_heads`` (0: a padding token, nothing stored)."""
     offs_h = h0 + tl.arange(0, BLOCK_H)
     h_ok = offs_h < num_heads
-    if IS_NEOX:
-        i1 = offs_i
-        i2 = offs_i + HALF
-    else:
-        i1 = offs_i * 2
-        i2 = offs_i * 2 + 1
+    i1, i2 = _pair_index(offs_i, IS_NEOX, HALF)
     i_ok = offs_i < HALF
     m = h_ok[:, None] & i_ok[None, :]
     tail = ROT + offs_t

@@ -1,0 +1,80 @@
+"""Compile the decode-step Triton kernels for sm90 with PDL on, without a GPU; one JSON line per kernel.
+
+Run by tests/ops/test_compile_sm90.py in a subprocess without TRITON_INTERPRET (under the interpreter
+``@triton.jit`` gives functions that cannot be compiled)."""
+
+import json
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from turnout.ops.triton import activation, attention, cache, linear, moe_decode, norm, routing, rotary
+
+B, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
+PDL = {"PDL": True}
+
+
+def _cases():
+    for neox in (True, False):
+        for write_cache in (True, False):
+            yield (f"qk_norm_rotary neox={neox} cache={write_cache}", rotary._qk_norm_rotary_kernel,
+                   {**dict.fromkeys(("Q", "K", "QW", "KW", "V", "KC", "VC"), B), "POS": I64, "CS": F32,
+                    "SLOTS": I64, "eps": "fp32"},
+                   dict(D=128, ROT=64, IS_NEOX=neox, HALF=32, BLOCK_H=8, BLOCK_HALF=32, BLOCK_TAIL=64, BS=16,
+                        BLOCK_D=128, WRITE_CACHE=write_cache, **PDL), {})
+    yield ("rotary", rotary._rotary_kernel, {"POS": I64, "Q": B, "K": B, "CS": F32},
+           dict(IS_NEOX=True, HALF=64, BLOCK_H=8, BLOCK_HALF=64, **PDL), {})
+    for dot in (True, False):
+        for even in (True, False):
+            yield (f"small_m dot={dot} even_k={even}", linear._small_m_kernel,
+                   dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "y_ptr"), B),
+                   dict(HAS_BIAS=True, BLOCK_M=16 if dot else 1, BLOCK_N=32 if dot else 8, BLOCK_K=512,
+                        EVEN_K=even, USE_DOT=dot, PRECISION=None, UPCAST=False, **PDL), {"num_stages": 5})
+    yield ("fused_add_rms_norm", norm._fused_add_rms_norm_kernel, {"X": B, "R": B, "W": B, "eps": "fp32"},
+           dict(BLOCK=2048, **PDL), {"num_warps": 8})
+    yield ("rms_norm", norm._rms_norm_kernel, {"X": B, "W": B, "OUT": B, "eps": "fp32"}, dict(BLOCK=2048, **PDL), {})
+    yield ("silu_and_mul", activation._silu_and_mul_kernel, {"X": B, "OUT": B}, dict(BLOCK=1024, **PDL), {})
+    yield ("reshape_and_cache", cache._reshape_and_cache_kernel,
+           {"KEY": B, "VALUE": B, "KC": B, "VC": B, "SLOTS": I64}, dict(BS=16, D=128, BLOCK_H=8, BLOCK_D=128, **PDL), {})
+    yield ("paged_attention split", attention._paged_attn_kernel,
+           {**dict.fromkeys(("Q", "K", "V", "O"), B), "BT": I32, "SEQ_LENS": I32, "QSL": I32, "WS_O": F32,
+            "WS_LSE": F32, "qk_scale": "fp32"},
+           dict(G=8, G_TILE=8, NUM_HEAD_TILES=1, BLOCK_Q=2, BLOCK_M=16, BLOCK_N=64, BS=16, HEAD_D=128, D_PAD=128,
+                SPLIT=True, PRECISION=None, **PDL), {})
+    yield ("split_reduce", attention._split_reduce_kernel, {"WS_O": F32, "WS_LSE": F32, "O": B},
+           dict(S_PAD=4, HEAD_D=128, D_PAD=128, **PDL), {})
+    yield ("route", routing._route_kernel,
+           {"LOGITS": B, "BIAS": F32, "SCALE": F32, "W_OUT": F32, "ID_OUT": I32, "scaling": "fp32"},
+           dict(K=8, BLOCK_E=128, SIGMOID=False, AFTER_TOPK=False, RENORM=True, HAS_BIAS=False, HAS_SCALE=False,
+                **PDL), {"num_warps": 1})
+    moe = dict(SCAN=16, BLOCK_M=16, BLOCK_K=128, BY_SLOT=True, EVEN_K=True, PRECISION=None, UPCAST=False, **PDL)
+    yield ("moe decode gate_up", moe_decode._decode_gate_up_kernel,
+           {"x_ptr": B, "w13_ptr": B, "act_ptr": B, "ids_ptr": I32}, dict(BLOCK_N=32, **moe), {"num_stages": 4})
+    yield ("moe decode down", moe_decode._decode_down_kernel,
+           {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": F32, "ids_ptr": I32}, dict(BLOCK_N=128, **moe),
+           {"num_stages": 3})
+    yield ("moe sum slots", moe_decode._sum_slots_kernel, {"pair_out_ptr": F32, "ids_ptr": I32, "out_ptr": B},
+           dict(KP=8, BLOCK_H=512, **PDL), {})
+
+
+
+def main() -> int:
+    target = GPUTarget("cuda", 90, 32)
+    for label, kernel, types, consts, opts in _cases():
+        row = {"label": label}
+        try:
+            signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts), target=target,
+                                      options={"num_warps": 4, "launch_pdl": True, **opts})
+            ptx = compiled.asm["ptx"]
+            row.update(ok=True, sm90=".target sm_90" in ptx, waits="griddepcontrol.wait" in ptx)
+        except Exception as e:  # noqa: BLE001 - reported per kernel
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
