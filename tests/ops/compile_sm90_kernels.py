@@ -37,7 +37,8 @@ def _cases():
     yield ("rms_norm", norm._rms_norm_kernel, {"X": B, "W": B, "OUT": B, "eps": "fp32"}, dict(BLOCK=2048, **PDL), {})
     yield ("silu_and_mul", activation._silu_and_mul_kernel, {"X": B, "OUT": B}, dict(BLOCK=1024, **PDL), {})
     yield ("reshape_and_cache", cache._reshape_and_cache_kernel,
-           {"KEY": B, "VALUE": B, "KC": B, "VC": B, "SLOTS": I64}, dict(BS=16, D=128, BLOCK_H=8, BLOCK_D=128, **PDL), {})
+           {"KEY": B, "VALUE": B, "KC": B, "VC": B, "SLOTS": I64},
+           dict(BS=16, D=128, BLOCK_H=8, BLOCK_D=128, **PDL), {})
     yield ("paged_attention split", attention._paged_attn_kernel,
            {**dict.fromkeys(("Q", "K", "V", "O"), B), "BT": I32, "SEQ_LENS": I32, "QSL": I32, "WS_O": F32,
             "WS_LSE": F32, "qk_scale": "fp32"},

@@ -187,9 +187,9 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
 @triton.jit
 def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, top_k, num_experts, H, stride_pair, stride_out,
                       KP: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     """All k slots of a column tile in one [KP, BLOCK_H] load (one memory round trip, not k), summed over
     axis 0 in the compiled reduction's fixed order (the same result on every run)."""
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H

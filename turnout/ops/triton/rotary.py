@@ -143,14 +143,15 @@ def _qk_norm_rotary_kernel(POS, Q, K, QW, KW, CS, eps, stride_qt, stride_qh, str
             slot = tl.load(SLOTS + t).to(tl.int64)
             cache_heads = tl.where(slot >= 0, num_k_heads, 0)  # slot -1: padding, nothing written
             slot = tl.maximum(slot, 0)
-            kdst = KC + (slot // BS) * stride_kcb + (slot % BS) * stride_kcs
+            blk, off = slot // BS, slot % BS
+            kdst = KC + blk * stride_kcb + off * stride_kcs
             _norm_rotate_heads(K + t * stride_kt, stride_kh, h0, num_k_heads, KW, eps, cos, sin, offs_i, offs_t,
                                kdst, stride_kch, cache_heads, D, ROT, IS_NEOX, HALF, BLOCK_H, True)
             offs_h = h0 + tl.arange(0, BLOCK_H)
             offs_d = tl.arange(0, BLOCK_D)
             vm = (offs_h < cache_heads)[:, None] & (offs_d < D)[None, :]
             v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=vm)
-            vdst = VC + (slot // BS) * stride_vcb + (slot % BS) * stride_vcs
+            vdst = VC + blk * stride_vcb + off * stride_vcs
             tl.store(vdst + offs_h[:, None] * stride_vch + offs_d[None, :], v.to(VC.dtype.element_ty), mask=vm)
         else:
             _norm_rotate_heads(K + t * stride_kt, stride_kh, h0, num_k_heads, KW, eps, cos, sin, offs_i, offs_t,
