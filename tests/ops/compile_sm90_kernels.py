@@ -40,14 +40,13 @@ def _cases():
     yield ("reshape_and_cache", cache._reshape_and_cache_kernel,
            {"KEY": B, "VALUE": B, "KC": B, "VC": B, "SLOTS": I64},
            dict(BS=16, D=128, BLOCK_H=8, BLOCK_D=128, **PDL), {})
-    for fuse in (True, False):
-        yield (f"paged_attention split fuse_merge={fuse}", attention._paged_attn_kernel,
-               {**dict.fromkeys(("Q", "K", "V", "O"), B), "BT": I32, "SEQ_LENS": I32, "QSL": I32, "WS_O": F32,
-                "WS_LSE": F32, "COUNTERS": I32, "qk_scale": "fp32"},
-               dict(G=8, G_TILE=8, NUM_HEAD_TILES=1, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, BS=16, HEAD_D=128,
-                    D_PAD=128, SPLIT=True, PRECISION=None, FUSE_MERGE=fuse, S_PAD=4, **PDL), {})
+    yield ("paged_attention split", attention._paged_attn_kernel,
+           {**dict.fromkeys(("Q", "K", "V", "O"), B), "BT": I32, "SEQ_LENS": I32, "QSL": I32, "WS_O": F32,
+            "WS_LSE": F32, "qk_scale": "fp32"},
+           dict(G=8, G_TILE=8, NUM_HEAD_TILES=1, BLOCK_Q=2, BLOCK_M=16, BLOCK_N=64, BS=16, HEAD_D=128, D_PAD=128,
+                SPLIT=True, PRECISION=None, **PDL), {})
     yield ("split_reduce", attention._split_reduce_kernel, {"WS_O": F32, "WS_LSE": F32, "O": B},
-           dict(S_PAD=4, HEAD_D=128, D_PAD=128, BLOCK_H=16, **PDL), {})
+           dict(S_PAD=4, HEAD_D=128, D_PAD=128, **PDL), {})
     yield ("route", routing._route_kernel,
            {"LOGITS": B, "BIAS": F32, "SCALE": F32, "W_OUT": F32, "ID_OUT": I32, "scaling": "fp32"},
            dict(K=8, BLOCK_E=128, SIGMOID=False, AFTER_TOPK=False, RENORM=True, HAS_BIAS=False, HAS_SCALE=False,

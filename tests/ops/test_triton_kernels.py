@@ -75,27 +75,6 @@ def test_split_kv_decode_long_context_small_batch():
         _close(attention.paged_attention_impl(*args, num_splits=splits), want, 2e-5, 2e-5)
 
 
-def test_split_kv_merge_in_kernel_and_in_a_second_kernel(monkeypatch):
-    """Decode merges the splits in the attention kernel (the last split of each group, an arrival counter);
-    with no counters to spare, in the second kernel. Both agree with the reference; counters end at 0."""
-    from turnout.ops.triton._arrive import arrival_counters
-
-    args = _paged([1, 1, 1], [300, 45, 700], 8, 2, 32, 16, torch.float32, seed=5)  # G 4, two KV heads
-    want = ref_attn.paged_attention(*args)
-
-    class NoSecondKernel:
-        def __getitem__(self, grid):
-            raise AssertionError("the merge should have happened in the attention kernel")
-
-    real_reduce = attention._split_reduce_kernel
-    monkeypatch.setattr(attention, "_split_reduce_kernel", NoSecondKernel())
-    _close(attention.paged_attention_impl(*args, num_splits=5), want, 2e-5, 2e-5)
-    assert not arrival_counters(torch.device(DEV), 1).any()
-    monkeypatch.setattr(attention, "_split_reduce_kernel", real_reduce)
-    monkeypatch.setattr(attention, "arrival_counters", lambda device, n: None)
-    _close(attention.paged_attention_impl(*args, num_splits=5), want, 2e-5, 2e-5)
-
-
 def test_split_kv_with_empty_splits_and_multi_token_queries():
     # A short sequence beside a long one leaves most of its splits empty; q_len 0 and 3 mixed in.
     args = _paged([3, 0, 1], [900, 4, 17], 4, 1, 32, 16, torch.float32, seed=2)

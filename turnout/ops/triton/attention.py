@@ -8,9 +8,7 @@ online softmax in float32 (base 2) and ``tl.dot`` for QK^T and PV.
 
 Decode with few sequences and long contexts leaves most of the GPU idle with one program per
 (sequence, KV head), so it splits the context across programs (flash-decoding): each split writes a
-normalised partial output and its log-sum-exp, and the last split of each (sequence, KV head) to finish
-merges them in the same kernel (turnout/ops/triton/_arrive.py; a second kernel when there are more groups
-than counters). Whether to split is
+normalised partial output and its log-sum-exp, and a second kernel merges them. Whether to split is
 chosen from host ints (batch size, KV heads, max_seq_len, the SM count), so there is no device sync.
 """
 
@@ -22,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from turnout.ops.triton._arrive import arrival_counters, last_arrival
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -38,14 +35,13 @@ _PROGRAMS_PER_SM = 2
 
 @triton.jit
 def _paged_attn_kernel(
-        Q, K, V, O, BT, SEQ_LENS, QSL, WS_O, WS_LSE, COUNTERS,
+        Q, K, V, O, BT, SEQ_LENS, QSL, WS_O, WS_LSE,
         qk_scale, num_splits,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_bt, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
         G: tl.constexpr, G_TILE: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, HEAD_D: tl.constexpr,
-        D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-        FUSE_MERGE: tl.constexpr = False, S_PAD: tl.constexpr = 1):
+        D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -121,51 +117,25 @@ def _paged_attn_kernel(
         else:
             tl.store(O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      out.to(O.dtype.element_ty), mask=mask)
-    if FUSE_MERGE:  # the last split of this (sequence, KV head, head tile) merges (turnout/ops/triton/_arrive.py)
-        group = b * (tl.num_programs(2) // num_splits) + pid2 // num_splits
-        if last_arrival(COUNTERS + group, num_splits):
-            rows = tl.arange(0, BLOCK_M)  # decode: one token, rows are heads of the group
-            hh = head_tile * G_TILE + rows % G_TILE
-            q_start = tl.load(QSL + b)
-            ok = (rows < tl.where(tl.load(QSL + b + 1) > q_start, G_TILE, 0)) & (hh < G)  # no token: no row
-            _merge_splits(WS_O, WS_LSE, O, q_start.to(tl.int64), kvh * G + hh, ok, num_splits, stride_wt, stride_wh,
-                          stride_ws, stride_lt, stride_lh, stride_ot, stride_oh, S_PAD, HEAD_D, D_PAD, ".cg")
-
-
-@triton.jit
-def _merge_splits(WS_O, WS_LSE, O, q_row, head, row_ok, num_splits, stride_wt, stride_wh, stride_ws, stride_lt,
-                  stride_lh, stride_ot, stride_oh, S_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
-                  CACHE: tl.constexpr):
-    """O[q_row, head] = the splits' partial outputs weighted by exp2(lse), for the rows of ``head`` [R]."""
-    offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_D
-    lse = tl.load(WS_LSE + q_row * stride_lt + head[:, None] * stride_lh + offs_s[None, :],
-                  mask=row_ok[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
-                  cache_modifier=CACHE)  # [R, S_PAD]
-    m = tl.max(lse, 1)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])  # empty splits (lse -inf): weight 0
-    acc = tl.zeros([head.shape[0], D_PAD], dtype=tl.float32)
-    for s in range(num_splits):  # in split order: the result does not depend on which program merges
-        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)  # [R]
-        o = tl.load(WS_O + q_row * stride_wt + head[:, None] * stride_wh + s * stride_ws + offs_d[None, :],
-                    mask=(row_ok & (w_s > 0))[:, None] & d_ok[None, :], other=0.0, cache_modifier=CACHE)
-        acc += w_s[:, None] * o
-    denom = tl.sum(w, 1)
-    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    tl.store(O + q_row * stride_ot + head[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _split_reduce_kernel(WS_O, WS_LSE, O, num_splits, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
-                         stride_ot, stride_oh, H, S_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
-                         BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """The merge as its own kernel, when there are more (sequence, KV head) groups than arrival counters."""
+                         stride_ot, stride_oh, S_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
-    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    _merge_splits(WS_O, WS_LSE, O, tl.program_id(0).to(tl.int64), head, head < H, num_splits, stride_wt, stride_wh,
-                  stride_ws, stride_lt, stride_lh, stride_ot, stride_oh, S_PAD, HEAD_D, D_PAD, "")
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_D
+    lse = tl.load(WS_LSE + t * stride_lt + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # empty splits have lse -inf: weight 0
+    o = tl.load(WS_O + t * stride_wt + h * stride_wh + offs_s[:, None] * stride_ws + offs_d[None, :],
+                mask=(s_ok & (w > 0))[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,13 +195,9 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                        _num_sms(query.device.type, query.device.index), cfg["BLOCK_N"])
     num_splits = min(num_splits, triton.cdiv(max_seq_len, cfg["BLOCK_N"]))  # no more splits than KV tiles
     split = num_splits > 1
-    counters = None
     if split:
         ws_o = torch.empty((num_tokens, hq, num_splits, head_dim), dtype=torch.float32, device=query.device)
         ws_lse = torch.empty((num_tokens, hq, num_splits), dtype=torch.float32, device=query.device)
-        # the last split of each group merges, in the same kernel; too many groups: a second kernel
-        if max_query_len <= 1:  # one token per sequence: the merging program's rows are its heads
-            counters = arrival_counters(query.device, batch * hk * num_head_tiles)
     else:
         num_splits = 1
         ws_o, ws_lse = out.view(num_tokens, hq, 1, head_dim), out  # unused
@@ -239,20 +205,18 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_Q"]), batch, hk * num_head_tiles * num_splits)
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, ws_o, ws_lse,
-        counters if counters is not None else seq_lens, scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0), ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), ws_lse.stride(1),
         G=group, G_TILE=cfg["G_TILE"], NUM_HEAD_TILES=num_head_tiles, BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
-        SPLIT=split, PRECISION=precision, FUSE_MERGE=counters is not None, S_PAD=triton.next_power_of_2(num_splits),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(query))
-    if split and counters is None:
-        block_h = min(16, triton.next_power_of_2(hq))
-        _split_reduce_kernel[(num_tokens, triton.cdiv(hq, block_h))](
+        SPLIT=split, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(query))
+    if split:
+        _split_reduce_kernel[(num_tokens, hq)](
             ws_o, ws_lse, out, num_splits, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
-            ws_lse.stride(1), out.stride(0), out.stride(1), hq, S_PAD=triton.next_power_of_2(num_splits),
-            HEAD_D=head_dim, D_PAD=cfg["D_PAD"], BLOCK_H=block_h, num_warps=4, **pdl_args(query))
+            ws_lse.stride(1), out.stride(0), out.stride(1), S_PAD=triton.next_power_of_2(num_splits),
+            HEAD_D=head_dim, D_PAD=cfg["D_PAD"], num_warps=4, **pdl_args(query))
     return out
 
 
