@@ -60,20 +60,6 @@ def test_decode_forced_many_pairs_per_expert(dtype):
     _check(moe_experts_decode(x, w13, w2, weights, ids, config=cfg), x, w13, w2, weights, ids, dtype)
 
 
-def test_decode_slot_sum_in_the_down_kernel_and_apart():
-    """Up to FUSED_SUM_MAX_TOKENS tokens the down kernel's last program per column tile sums the slots;
-    beyond, the separate kernel. Both equal the reference, and the arrival counters are left at zero."""
-    from turnout.ops.triton import moe_decode
-    from turnout.ops.triton._arrive import arrival_counters
-
-    gen = torch.Generator().manual_seed(11)
-    n = moe_decode.FUSED_SUM_MAX_TOKENS
-    for t in (n, n + 1):
-        problem = _problem(gen, t, 48, 32, 8, 2, torch.float32)  # H 48: two column tiles of 32
-        _check(moe_experts_decode(*problem, config=DecodeConfig(block_n2=32)), *problem, torch.float32)
-    assert not arrival_counters(torch.device(DEVICE), 1).any()
-
-
 def test_decode_duplicate_ids_in_a_token_both_count():
     gen = torch.Generator().manual_seed(3)
     x, w13, w2, weights, _ = _problem(gen, 3, 32, 16, 8, 3, torch.float32)

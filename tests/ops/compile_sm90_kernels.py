@@ -4,7 +4,6 @@ Run by tests/ops/test_compile_sm90.py in a subprocess without TRITON_INTERPRET (
 ``@triton.jit`` gives functions that cannot be compiled)."""
 
 import json
-import re
 import sys
 
 import triton
@@ -54,10 +53,9 @@ def _cases():
     moe = dict(SCAN=16, BLOCK_M=16, BLOCK_K=128, BY_SLOT=True, EVEN_K=True, PRECISION=None, UPCAST=False, **PDL)
     yield ("moe decode gate_up", moe_decode._decode_gate_up_kernel,
            {"x_ptr": B, "w13_ptr": B, "act_ptr": B, "ids_ptr": I32}, dict(BLOCK_N=32, **moe), {"num_stages": 4})
-    for fuse in (True, False):
-        yield (f"moe decode down fuse_sum={fuse}", moe_decode._decode_down_kernel,
-               {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": F32, "ids_ptr": I32, "sum_ptr": B,
-                "counters_ptr": I32}, dict(BLOCK_N=128, FUSE_SUM=fuse, KP=8, **moe), {"num_stages": 3})
+    yield ("moe decode down", moe_decode._decode_down_kernel,
+           {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": F32, "ids_ptr": I32}, dict(BLOCK_N=128, **moe),
+           {"num_stages": 3})
     yield ("moe sum slots", moe_decode._sum_slots_kernel, {"pair_out_ptr": F32, "ids_ptr": I32, "out_ptr": B},
            dict(KP=8, BLOCK_H=512, **PDL), {})
 
@@ -72,8 +70,7 @@ def main() -> int:
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts), target=target,
                                       options={"num_warps": 4, "launch_pdl": True, **opts})
             ptx = compiled.asm["ptx"]
-            row.update(ok=True, sm90=".target sm_90" in ptx, waits="griddepcontrol.wait" in ptx,
-                       atomics=sorted(set(re.findall(r"\batom\.[\w.]+", ptx))))
+            row.update(ok=True, sm90=".target sm_90" in ptx, waits="griddepcontrol.wait" in ptx)
         except Exception as e:  # noqa: BLE001 - reported per kernel
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
         print(json.dumps(row), flush=True)

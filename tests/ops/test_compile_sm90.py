@@ -27,7 +27,7 @@ if not os.path.exists(os.path.join(os.path.dirname(_nv.__file__), "bin", "ptxas"
     pytest.skip("the Triton wheel has no ptxas", allow_module_level=True)
 
 SCRIPT = Path(__file__).with_name("compile_sm90_kernels.py")
-EXPECTED = 20  # kernel variants the script compiles
+EXPECTED = 19  # kernel variants the script compiles
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +47,3 @@ def test_every_decode_kernel_compiles_for_sm90_with_pdl(results):
     assert all(r["sm90"] for r in results)
     missing = [r["label"] for r in results if not r["waits"]]
     assert not missing, f"PDL on, but no griddepcontrol.wait in: {missing}"
-
-
-def test_last_arrival_kernels_count_with_acquire_release_at_gpu_scope(results):
-    """The kernels whose last program does the group's epilogue (turnout/ops/triton/_arrive.py) arrive with
-    an acquire-release atomic at GPU scope; a relaxed or CTA-scope one would let the last program read
-    another program's part before it lands."""
-    fused = [r for r in results if "fuse" in r["label"] and "=True" in r["label"].split("fuse", 1)[1][:10]]
-    assert fused
-    for r in fused:
-        assert any(".gpu" in a and ".acq_rel" in a and ".add" in a for a in r["atomics"]), r

@@ -14,11 +14,9 @@ GEMMs. Here every program finds its own rows:
 
 1. ``_decode_gate_up_kernel``: act[pair] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T)  [T*k, I]
 2. ``_decode_down_kernel``: pair_out[pair] = weight[pair] * act[pair] @ w2[e].T  fp32 [T*k, H]
-3. the slot sum: out[t] = sum_j pair_out[t, j] over the slots with a valid id (deterministic, no atomic
-   adds; rows of invalid ids are never written nor read), cast to hidden's dtype; all slots of a column
-   tile in one 2-D load. Up to ``FUSED_SUM_MAX_TOKENS`` tokens it is done in the down kernel by the last
-   program to finish each column tile (turnout/ops/triton/_arrive.py), which saves a kernel's fixed cost
-   per layer at batch-1 decode; beyond, by ``_sum_slots_kernel``.
+3. ``_sum_slots_kernel``: out[t] = sum_j pair_out[t, j] over the slots with a valid id (deterministic,
+   no atomics; rows of invalid ids are never written nor read), cast to hidden's dtype. All slots of a
+   column tile come in one 2-D load: at batch 1 the kernel is one memory round trip.
 
 The routing is consumed as given (seed 001).
 """
@@ -32,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from turnout.ops.triton._arrive import arrival_counters, last_arrival
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,9 +38,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # T * 8 / 128 <= 4, i.e. T <= 64); beyond, the sorted grouped GEMM. Also always for T * k <= 128.
 DECODE_PAIRS_PER_EXPERT = 4
 DECODE_MIN_PAIRS = 128
-# Up to this many tokens the down kernel sums the slots itself (turnout/ops/triton/_arrive.py); beyond,
-# a third kernel does (one program per token and column tile).
-FUSED_SUM_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -153,71 +147,60 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr,
 
 
 @triton.jit
-def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr, sum_ptr, counters_ptr,
-                        num_tokens, num_pairs, top_k, num_experts, H, I,
-                        stride_act, stride_we, stride_wn, stride_out, stride_sum,
+def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
+                        num_pairs, num_experts, H, I,
+                        stride_act, stride_we, stride_wn, stride_out,
                         SCAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BY_SLOT: tl.constexpr, EVEN_K: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSE_SUM: tl.constexpr,
-                        KP: tl.constexpr, PDL: tl.constexpr):
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     expert, count = _owned_expert(ids_ptr, num_pairs, num_experts, SCAN, BY_SLOT)
+    if count == 0:
+        return
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     cols = tl.where(col_ok, cols, 0)
-    if count > 0:
-        w_rows = w2_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
-        for c0 in range(0, count, BLOCK_M):
-            pairs, row_ok = _chunk_pairs(ids_ptr, expert, num_pairs, c0, count, SCAN, BLOCK_M)
-            a_rows = act_ptr + pairs.to(tl.int64)[:, None] * stride_act
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                if EVEN_K:
-                    a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BK]
-                    w = tl.load(w_rows + ks[:, None])  # [BK, BN]
-                else:
-                    k_ok = ks < I
-                    a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    w = tl.load(w_rows + ks[:, None], mask=k_ok[:, None], other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    w = w.to(tl.float32)
-                acc += tl.dot(a, w, input_precision=PRECISION)
-            weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)  # [BM] fp32
-            tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :], acc * weight[:, None],
-                     mask=row_ok[:, None] & col_ok[None, :])
-    if FUSE_SUM:  # the last program of this column tile sums every token's slots (turnout/ops/triton/_arrive.py)
-        if last_arrival(counters_ptr + pid_n, tl.num_programs(0)):
-            for t in range(num_tokens):
-                _sum_slots_tile(out_ptr, ids_ptr, sum_ptr, t, cols, col_ok, top_k, num_experts, stride_out,
-                                stride_sum, KP, ".cg")
-
-
-@triton.jit
-def _sum_slots_tile(pair_out_ptr, ids_ptr, out_ptr, t, cols, col_ok, top_k, num_experts, stride_pair, stride_out,
-                    KP: tl.constexpr, CACHE: tl.constexpr):
-    """out[t, cols] = the sum of token t's valid slots of pair_out, all KP slots in one 2-D load, summed over
-    axis 0 in the compiled reduction's fixed order (the same result on every run)."""
-    t = tl.full([], 0, tl.int64) + t  # a loop index or a program id: int64 offsets either way
-    slots = tl.arange(0, KP)
-    pairs = t * top_k + slots
-    e = tl.load(ids_ptr + pairs, mask=slots < top_k, other=-1).to(tl.int64)  # [KP]
-    ok = (slots < top_k) & (e >= 0) & (e < num_experts)
-    vals = tl.load(pair_out_ptr + pairs.to(tl.int64)[:, None] * stride_pair + cols[None, :],
-                   mask=ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=CACHE)  # [KP, BN] fp32
-    tl.store(out_ptr + t * stride_out + cols, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty), mask=col_ok)
+    w_rows = w2_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    for c0 in range(0, count, BLOCK_M):
+        pairs, row_ok = _chunk_pairs(ids_ptr, expert, num_pairs, c0, count, SCAN, BLOCK_M)
+        a_rows = act_ptr + pairs.to(tl.int64)[:, None] * stride_act
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BK]
+                w = tl.load(w_rows + ks[:, None])  # [BK, BN]
+            else:
+                k_ok = ks < I
+                a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + ks[:, None], mask=k_ok[:, None], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(a, w, input_precision=PRECISION)
+        weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)  # [BM] fp32
+        tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :], acc * weight[:, None],
+                 mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, top_k, num_experts, H, stride_pair, stride_out,
                       KP: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """The slot sum as its own kernel (more tokens than the down kernel's last programs should sum)."""
+    """All k slots of a column tile in one [KP, BLOCK_H] load (one memory round trip, not k), summed over
+    axis 0 in the compiled reduction's fixed order (the same result on every run)."""
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
+    t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    _sum_slots_tile(pair_out_ptr, ids_ptr, out_ptr, tl.program_id(0), cols, cols < H, top_k, num_experts,
-                    stride_pair, stride_out, KP, "")
+    col_ok = cols < H
+    slots = tl.arange(0, KP)
+    pairs = t * top_k + slots
+    e = tl.load(ids_ptr + pairs, mask=slots < top_k, other=-1).to(tl.int64)  # [KP]
+    ok = (slots < top_k) & (e >= 0) & (e < num_experts)
+    vals = tl.load(pair_out_ptr + pairs.to(tl.int64)[:, None] * stride_pair + cols[None, :],
+                   mask=ok[:, None] & col_ok[None, :], other=0.0)  # [KP, BH] fp32
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty),
+             mask=col_ok)
 
 
 def _pow2(n: int) -> int:
@@ -265,22 +248,17 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         EVEN_K=hidden_size % bk1 == 0, PRECISION=precision, UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=stages, **pdl_args(hidden))
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)  # [T*k, H]
-    out = torch.empty_like(hidden)  # [T, H]
-    kp = _pow2(top_k)
-    n_tiles2 = triton.cdiv(hidden_size, bn2)
-    # Few tokens: the down kernel's last program per column tile sums the slots (no third kernel).
-    counters = arrival_counters(hidden.device, n_tiles2) if num_tokens <= FUSED_SUM_MAX_TOKENS else None
-    fuse = counters is not None
-    _decode_down_kernel[(grid0, n_tiles2)](
-        act, w2, weights, pair_out, ids, out, counters if fuse else ids, num_tokens, num_pairs, top_k, num_experts,
-        hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), out.stride(0),
+    _decode_down_kernel[(grid0, triton.cdiv(hidden_size, bn2))](
+        act, w2, weights, pair_out, ids, num_pairs, num_experts, hidden_size, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         SCAN=scan, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, BY_SLOT=by_slot,
-        EVEN_K=inter % bk2 == 0, PRECISION=precision, UPCAST=upcast, FUSE_SUM=fuse, KP=kp,
+        EVEN_K=inter % bk2 == 0, PRECISION=precision, UPCAST=upcast,
         num_warps=cfg.num_warps2 or cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages2 or stages,
         **pdl_args(hidden))
-    if not fuse:
-        block_h = max(16, min(_pow2(hidden_size), 4096 // kp))  # a [KP, BLOCK_H] fp32 tile of <= 16 KB
-        _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-            pair_out, ids, out, top_k, num_experts, hidden_size, pair_out.stride(0), out.stride(0),
-            KP=kp, BLOCK_H=block_h, num_warps=4, **pdl_args(hidden))
+    out = torch.empty_like(hidden)  # [T, H]
+    kp = _pow2(top_k)
+    block_h = max(16, min(_pow2(hidden_size), 4096 // kp))  # a [KP, BLOCK_H] fp32 tile of <= 16 KB
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        pair_out, ids, out, top_k, num_experts, hidden_size, pair_out.stride(0), out.stride(0),
+        KP=kp, BLOCK_H=block_h, num_warps=4, **pdl_args(hidden))
     return out
