@@ -15,7 +15,9 @@ reach well under the copy bandwidth on these shapes (cuBLAS on the H200: ~40 % o
 
 With programmatic dependent launch (turnout/ops/triton/_pdl.py) the one-row path reads its first weight
 tile before waiting for the previous kernel. Accumulation is fp32; the output has x's dtype. The config is
-chosen from (M, N, K) by ``pick_config`` (tuned on the H200 with ``benchmarks/small_m_linear.py --sweep``).
+chosen from (M, N, K) by ``pick_config``: first tuned per kernel on the H200 (``benchmarks/small_m_linear.py
+--sweep``), then the one-row tiles re-tuned in place, in a captured decode step of Qwen3-30B-A3B and Qwen3-8B
+with PDL (docs/benchmarks.md, fourth session): a kernel that is best alone is not always best in the chain.
 """
 
 from __future__ import annotations
@@ -108,12 +110,15 @@ def block_m_for(m: int) -> int:
 
 
 def pick_config(m: int, n: int, k: int) -> SmallMConfig:
-    """Tiles from the H200 sweep (``benchmarks/small_m_linear.py --sweep``, docs/benchmarks.md)."""
+    """Tiles from the H200 sweeps (docs/benchmarks.md): per kernel for 2-16 rows, in a decode step for one row."""
     if block_m_for(m) == 16:
         return SmallMConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+    if n <= 1024:  # MoE routers (N = experts): few rows per program, so at least ~64 programs
+        return SmallMConfig(block_n=max(1, min(8, n // 64)), block_k=1024, num_warps=4, num_stages=5)
     if n >= 16384:  # LM heads, wide MLPs: programs enough at 32 rows each
         return SmallMConfig(block_n=32, block_k=128, num_warps=8, num_stages=5)
-    return SmallMConfig(block_n=8, block_k=512, num_warps=4, num_stages=5)  # 8 rows: ≥ 256 programs
+    # 1024 < N < 16384 (attention and MLP projections): long K tiles; narrower programs above N = 2048
+    return SmallMConfig(block_n=8 if n <= 2048 else 4, block_k=1024, num_warps=4, num_stages=4)
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -45,8 +45,8 @@ class DecodeConfig:
     block_m: int = 16
     block_n1: int = 32  # gate/up: columns of I per program (two weight tiles: gate and up rows)
     block_k1: int = 128  # over H
-    block_n2: int = 128  # down: columns of H per program (K = I is short: wide tiles amortise the prologue)
-    block_k2: int = 128  # over I
+    block_n2: int = 64  # down: columns of H per program (tuned in a Qwen3-30B-A3B decode step, docs/benchmarks.md)
+    block_k2: int = 256  # over I
     num_warps: int = 4
     num_stages: int = 4
     num_warps2: int | None = None  # down kernel (None: as gate/up)
