@@ -113,7 +113,8 @@ def sweep_configs():
                     if bn * bk > 128 * 128 and w == 4:
                         continue
                     out[f"down bn{bn} bk{bk} s{st} w{w}"] = DecodeConfig(
-                        block_n2=bn, block_k2=bk, num_stages2=st, num_warps2=w, num_warps=DEFAULT_CONFIG.num_warps)
+                        block_n2=bn, block_k2=bk, block_n2_many=bn, block_k2_many=bk, num_stages2=st, num_warps2=w,
+                        num_warps=DEFAULT_CONFIG.num_warps)
     for bn in (16, 32, 64):
         for bk in (64, 128, 256):
             for st in (3, 4, 5):

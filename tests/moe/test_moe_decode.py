@@ -56,7 +56,7 @@ def test_decode_forced_many_pairs_per_expert(dtype):
     more pairs than one scan of the ids, H and I not multiples of the tiles."""
     gen = torch.Generator().manual_seed(2)
     x, w13, w2, weights, ids = _problem(gen, 37, 48, 40, 4, 4, dtype)  # 148 pairs, ~28 valid per expert
-    cfg = DecodeConfig(block_k1=32, block_k2=32)  # H 48, I 40: ragged K tiles
+    cfg = DecodeConfig(block_k1=32, block_k2=32, block_k2_many=32)  # H 48, I 40: ragged K tiles
     _check(moe_experts_decode(x, w13, w2, weights, ids, config=cfg), x, w13, w2, weights, ids, dtype)
 
 

@@ -45,8 +45,13 @@ class DecodeConfig:
     block_m: int = 16
     block_n1: int = 32  # gate/up: columns of I per program (two weight tiles: gate and up rows)
     block_k1: int = 128  # over H
-    block_n2: int = 64  # down: columns of H per program (tuned in a Qwen3-30B-A3B decode step, docs/benchmarks.md)
-    block_k2: int = 256  # over I
+    # down: columns of H per program and the step over I. Tuned in Qwen3-30B-A3B decode steps on the H200
+    # (docs/benchmarks.md): 64 x 256 when a program serves one slot (T*k < E, batch 1), 128 x 128 when
+    # every expert has a program and several rows (batch 64: 64 x 256 cost 9 % there).
+    block_n2: int = 64
+    block_k2: int = 256
+    block_n2_many: int = 128
+    block_k2_many: int = 128
     num_warps: int = 4
     num_stages: int = 4
     num_warps2: int | None = None  # down kernel (None: as gate/up)
@@ -238,7 +243,8 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     upcast = _INTERPRET and hidden.dtype == torch.bfloat16  # the interpreter's bf16 dot is unreliable
     stages = 1 if _INTERPRET else cfg.num_stages
     bn1, bk1 = _fit(cfg.block_n1, inter), _fit(cfg.block_k1, hidden_size)
-    bn2, bk2 = _fit(cfg.block_n2, hidden_size), _fit(cfg.block_k2, inter)
+    bn2, bk2 = (cfg.block_n2, cfg.block_k2) if by_slot else (cfg.block_n2_many, cfg.block_k2_many)
+    bn2, bk2 = _fit(bn2, hidden_size), _fit(bk2, inter)
 
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
     _decode_gate_up_kernel[(grid0, triton.cdiv(inter, bn1))](
