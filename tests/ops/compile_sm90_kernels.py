@@ -30,8 +30,9 @@ def _cases():
         for even in (True, False):
             yield (f"small_m dot={dot} even_k={even}", linear._small_m_kernel,
                    dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "y_ptr"), B),
-                   dict(HAS_BIAS=True, BLOCK_M=16 if dot else 1, BLOCK_N=32 if dot else 8, BLOCK_K=512,
-                        EVEN_K=even, USE_DOT=dot, PRECISION=None, UPCAST=False, **PDL), {"num_stages": 5})
+                   dict(HAS_BIAS=True, BLOCK_M=16 if dot else 1, BLOCK_N=32 if dot else 4,
+                        BLOCK_K=128 if dot else 2048, EVEN_K=even, USE_DOT=dot, PRECISION=None, UPCAST=False, **PDL),
+                   {"num_stages": 4 if dot else 3})  # as pick_config chooses for Qwen3-30B-A3B
     yield ("fused_add_rms_norm", norm._fused_add_rms_norm_kernel, {"X": B, "R": B, "W": B, "eps": "fp32"},
            dict(BLOCK=2048, **PDL), {"num_warps": 8})
     yield ("rms_norm", norm._rms_norm_kernel, {"X": B, "W": B, "OUT": B, "eps": "fp32"}, dict(BLOCK=2048, **PDL), {})

@@ -114,11 +114,13 @@ def pick_config(m: int, n: int, k: int) -> SmallMConfig:
     if block_m_for(m) == 16:
         return SmallMConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
     if n <= 1024:  # MoE routers (N = experts): few rows per program, so at least ~64 programs
-        return SmallMConfig(block_n=max(1, min(8, n // 64)), block_k=1024, num_warps=4, num_stages=5)
+        return SmallMConfig(block_n=max(1, min(8, n // 64)), block_k=2048, num_warps=4, num_stages=2)
     if n >= 16384:  # LM heads, wide MLPs: programs enough at 32 rows each
         return SmallMConfig(block_n=32, block_k=128, num_warps=8, num_stages=5)
-    # 1024 < N < 16384 (attention and MLP projections): long K tiles; narrower programs above N = 2048
-    return SmallMConfig(block_n=8 if n <= 2048 else 4, block_k=1024, num_warps=4, num_stages=4)
+    if n <= 2048:
+        return SmallMConfig(block_n=4, block_k=2048, num_warps=4, num_stages=3)
+    # 2048 < N < 16384 (attention and MLP projections): 4 rows per program, long K tiles
+    return SmallMConfig(block_n=4, block_k=1024, num_warps=4, num_stages=4)
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
