@@ -3,6 +3,7 @@ accounting, and the HF peer on identical weights (greedy tokens and checksums ag
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -220,3 +221,16 @@ def test_hf_peer_measures_how_close_a_greedy_mismatch_was(tmp_path):
     assert m["gap_to_turnout_choice"] == pytest.approx(m["hf_top2_margin"], abs=1e-6)
     assert m["near_tie"] == (m["gap_ulps"] <= hf_peer.NEAR_TIE_ULPS)
     assert m["gap_ulps"] > 100  # random fp32 logits: the top two are far apart in fp32 ulps
+
+
+def test_decode_step_ab_checks_settings_and_needs_a_gpu():
+    """benchmarks/decode_step_ab.py: a malformed --settings is refused before anything loads; without a
+    GPU it says it needs one (exit 2) instead of failing inside graph capture."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_step_ab.py"
+    bad = subprocess.run([sys.executable, str(script), "--settings", '{"TURNOUT_PDL": "0"}'], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "--settings" in bad.stderr
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, str(script), "--settings", '[{}, {"TURNOUT_PDL": "0"}]'],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr

@@ -60,6 +60,23 @@ def test_decode_forced_many_pairs_per_expert(dtype):
     _check(moe_experts_decode(x, w13, w2, weights, ids, config=cfg), x, w13, w2, weights, ids, dtype)
 
 
+def test_decode_config_from_the_environment(monkeypatch):
+    """TURNOUT_MOE_DECODE_CONFIG replaces DecodeConfig fields (in-step tuning); unknown fields and bad JSON
+    are ValueErrors naming the variable."""
+    from turnout.ops.triton import moe_decode
+
+    monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", '{"block_n2": 16, "block_k2": 16, "num_stages2": 1}')
+    cfg = moe_decode._env_config()
+    assert (cfg.block_n2, cfg.block_k2, cfg.num_stages2, cfg.block_n1) == (16, 16, 1, moe_decode.DEFAULT_CONFIG.block_n1)
+    gen = torch.Generator().manual_seed(12)
+    problem = _problem(gen, 2, 32, 48, 16, 2, torch.float32)
+    _check(moe_experts_decode(*problem), *problem, torch.float32)
+    for bad in ('{"block_n3": 16}', "not json", "[16]"):
+        monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", bad)
+        with pytest.raises(ValueError, match="TURNOUT_MOE_DECODE_CONFIG"):
+            moe_experts_decode(*problem)
+
+
 def test_decode_duplicate_ids_in_a_token_both_count():
     gen = torch.Generator().manual_seed(3)
     x, w13, w2, weights, _ = _problem(gen, 3, 32, 16, 8, 3, torch.float32)

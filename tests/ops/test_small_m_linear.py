@@ -57,6 +57,26 @@ def test_kernel_one_row_bf16():
                                atol=2e-2, rtol=2e-2)
 
 
+def test_one_row_tiles_from_the_environment(monkeypatch):
+    """TURNOUT_SMALL_M_TILES overrides the one-row tiles by "N,K" (benchmarks/decode_step_ab.py tunes with
+    it); other shapes keep the built-in choice; a malformed value is a ValueError naming the variable."""
+    kernel, config = _triton()
+    from turnout.ops.triton.linear import pick_config
+
+    default, other, two_rows = pick_config(1, 40, 200), pick_config(1, 41, 200), pick_config(2, 40, 200)
+    monkeypatch.setenv("TURNOUT_SMALL_M_TILES", '{"40,200": [2, 64, 1, 1]}')
+    assert pick_config(1, 40, 200) == config(block_n=2, block_k=64, num_warps=1, num_stages=1)
+    assert default != pick_config(1, 40, 200)
+    assert pick_config(1, 41, 200) == other and pick_config(2, 40, 200) == two_rows  # only one-row "40,200"
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = _case(gen, 1, 40, 200, torch.float32, True)
+    torch.testing.assert_close(kernel(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    for bad in ('{"40,200": [2, 64]}', '{"40,200": [0, 64, 1, 1]}', "[1, 2]", "{40: 1"):
+        monkeypatch.setenv("TURNOUT_SMALL_M_TILES", bad)
+        with pytest.raises(ValueError, match="TURNOUT_SMALL_M_TILES"):
+            pick_config(1, 40, 200)
+
+
 def test_kernel_strided_input_and_transposed_weight():
     kernel, _ = _triton()
     gen = torch.Generator().manual_seed(2)

@@ -31,8 +31,10 @@ import triton.language as tl
 
 from turnout.ops.reference.linear import MAX_M
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
+from turnout.ops.triton._tuning import env_object
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TILES_ENV = "TURNOUT_SMALL_M_TILES"  # one-row tile overrides by "N,K" (turnout/ops/triton/_tuning.py)
 
 
 @dataclass(frozen=True)
@@ -110,9 +112,17 @@ def block_m_for(m: int) -> int:
 
 
 def pick_config(m: int, n: int, k: int) -> SmallMConfig:
-    """Tiles from the H200 sweeps (docs/benchmarks.md): per kernel for 2-16 rows, in a decode step for one row."""
+    """Tiles from the H200 sweeps (docs/benchmarks.md): per kernel for 2-16 rows, in a decode step for one row
+    (where ``TURNOUT_SMALL_M_TILES`` may override them by N and K)."""
     if block_m_for(m) == 16:
         return SmallMConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+    override = env_object(TILES_ENV).get(f"{n},{k}")
+    if override is not None:
+        if (not isinstance(override, list) or len(override) != 4
+                or not all(isinstance(v, int) and v > 0 for v in override)):
+            raise ValueError(f"{TILES_ENV}[{n},{k}] must be [block_n, block_k, num_warps, num_stages] of positive "
+                             f"ints, got {override!r}")
+        return SmallMConfig(*override)
     if n <= 1024:  # MoE routers (N = experts): few rows per program, so at least ~64 programs
         return SmallMConfig(block_n=max(1, min(8, n // 64)), block_k=2048, num_warps=4, num_stages=2)
     if n >= 16384:  # LM heads, wide MLPs: programs enough at 32 rows each

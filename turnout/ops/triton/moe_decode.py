@@ -24,13 +24,14 @@ The routing is consumed as given (seed 001).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
+from turnout.ops.triton._tuning import env_object
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -59,6 +60,18 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIG = DecodeConfig()
+CONFIG_ENV = "TURNOUT_MOE_DECODE_CONFIG"  # field overrides (turnout/ops/triton/_tuning.py)
+
+
+def _env_config() -> DecodeConfig:
+    fields = env_object(CONFIG_ENV)
+    if not fields:
+        return DEFAULT_CONFIG
+    unknown = sorted(set(fields) - set(DecodeConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{CONFIG_ENV}: unknown DecodeConfig field(s) {unknown}; known: "
+                         f"{sorted(DecodeConfig.__dataclass_fields__)}")
+    return replace(DEFAULT_CONFIG, **fields)
 
 
 def use_decode(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -220,7 +233,7 @@ def _fit(block: int, n: int) -> int:
 def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, config: DecodeConfig | None = None) -> torch.Tensor:
     """moe_experts (see turnout/ops/reference/moe.py) for few pairs; correct for any T, fast for small."""
-    cfg = config or DEFAULT_CONFIG
+    cfg = config or _env_config()
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
