@@ -71,7 +71,7 @@ def test_decode_config_from_the_environment(monkeypatch):
     gen = torch.Generator().manual_seed(12)
     problem = _problem(gen, 2, 32, 48, 16, 2, torch.float32)
     _check(moe_experts_decode(*problem), *problem, torch.float32)
-    for bad in ('{"block_n3": 16}', "not json", "[16]"):
+    for bad in ('{"block_n3": 16}', "not json", "[16]", '{"block_n2": "64"}', '{"block_k1": 0}'):
         monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="TURNOUT_MOE_DECODE_CONFIG"):
             moe_experts_decode(*problem)

@@ -123,7 +123,7 @@ def pick_config(m: int, n: int, k: int) -> SmallMConfig:
             raise ValueError(f"{TILES_ENV}[{n},{k}] must be [block_n, block_k, num_warps, num_stages] of positive "
                              f"ints, got {override!r}")
         return SmallMConfig(*override)
-    if n <= 1024:  # MoE routers (N = experts): few rows per program, so at least ~64 programs
+    if n <= 1024:  # MoE routers (N = experts), small models: few rows per program, so at least ~64 programs
         return SmallMConfig(block_n=max(1, min(8, n // 64)), block_k=2048, num_warps=4, num_stages=2)
     if n >= 16384:  # LM heads, wide MLPs: programs enough at 32 rows each
         return SmallMConfig(block_n=32, block_k=128, num_warps=8, num_stages=5)

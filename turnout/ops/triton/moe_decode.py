@@ -71,6 +71,11 @@ def _env_config() -> DecodeConfig:
     if unknown:
         raise ValueError(f"{CONFIG_ENV}: unknown DecodeConfig field(s) {unknown}; known: "
                          f"{sorted(DecodeConfig.__dataclass_fields__)}")
+    for name, value in fields.items():
+        optional = name in ("num_warps2", "num_stages2")
+        if not ((isinstance(value, int) and value > 0) or (optional and value is None)):
+            raise ValueError(f"{CONFIG_ENV}: {name} must be a positive int{' or null' if optional else ''}, "
+                             f"got {value!r}")
     return replace(DEFAULT_CONFIG, **fields)
 
 
