@@ -36,7 +36,10 @@ def _settings(text: str) -> list[dict]:
     if text.startswith("@"):
         with open(text[1:]) as f:
             text = f.read()
-    value = json.loads(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--settings is not valid JSON ({e})") from None
     if not isinstance(value, list) or not all(isinstance(s, dict) for s in value) or not value:
         raise SystemExit("--settings: a JSON list of objects (environment variable -> value)")
     return [{k: v if isinstance(v, str) else json.dumps(v) for k, v in s.items()} for s in value]
