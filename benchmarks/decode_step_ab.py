@@ -6,8 +6,9 @@ each setting, time replays, check the logits.
 
 A setting is a set of environment variables read when kernels launch, hence at capture: ``TURNOUT_PDL``,
 and the tile overrides of turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``,
-``TURNOUT_MOE_DECODE_CONFIG``). A kernel's best tile alone is not always its best tile in the step, where it
-overlaps its neighbours (PDL) and shares L2 with them; this measures the step itself, in one process, so
+``TURNOUT_MOE_DECODE_CONFIG``). One model switch is also accepted: ``"model:fused_prenorm": "0"`` captures
+the step with the plain pre-norm kernels instead of norms fused into the projections (``use_fused_prenorm``).
+A kernel's best tile alone is not always its best tile in the step, where it overlaps its neighbours (PDL) and shares L2 with them; this measures the step itself, in one process, so
 settings are compared on the same weights, GPU and clocks (the docs/benchmarks.md fourth-session tiles
 came from here).
 
@@ -32,6 +33,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+MODEL_SWITCHES = ("model:fused_prenorm",)
+
+
 def _settings(text: str) -> list[dict]:
     if text.startswith("@"):
         with open(text[1:]) as f:
@@ -42,6 +46,9 @@ def _settings(text: str) -> list[dict]:
         raise SystemExit(f"--settings is not valid JSON ({e})") from None
     if not isinstance(value, list) or not all(isinstance(s, dict) for s in value) or not value:
         raise SystemExit("--settings: a JSON list of objects (environment variable -> value)")
+    unknown = sorted(k for s in value for k in s if k.startswith("model:") and k not in MODEL_SWITCHES)
+    if unknown:
+        raise SystemExit(f"--settings: unknown model switch(es) {unknown}; known: {list(MODEL_SWITCHES)}")
     return [{k: v if isinstance(v, str) else json.dumps(v) for k, v in s.items()} for s in value]
 
 
@@ -90,12 +97,18 @@ def main() -> int:
     step_bytes = geo.weight_bytes_per_step(args.batch) + args.batch * args.context * geo.kv_bytes_per_token
     copy_gb_s = copy_bandwidth(runner.device)  # GB/s
     base_env = dict(os.environ)
+    from turnout.layers.linear import use_fused_prenorm
+
+    fused_layer = next((m for m in runner.model.modules() if getattr(m, "prenorm_linear", None)), None)
+    fused_op, fused_when = (fused_layer.prenorm_linear, fused_layer.prenorm_when) if fused_layer else (None, None)
     first = None
     rows = []
     for setting in settings:
         os.environ.clear()
         os.environ.update(base_env)
-        os.environ.update(setting)
+        os.environ.update({k: v for k, v in setting.items() if not k.startswith("model:")})
+        fused = setting.get("model:fused_prenorm", "1") != "0"
+        use_fused_prenorm(runner.model, fused_op if fused else None, fused_when)
         runner.graphs = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -138,7 +151,9 @@ def main() -> int:
         runner.graphs = None
     os.environ.clear()
     os.environ.update(base_env)
-    summary = {"model": args.model, "batch": args.batch, "context": args.context, "gpu": torch.cuda.get_device_name(),
+    use_fused_prenorm(runner.model, fused_op, fused_when)
+    summary = {"fused_prenorm_available": fused_op is not None,
+               "model": args.model, "batch": args.batch, "context": args.context, "gpu": torch.cuda.get_device_name(),
                "copy_GB_s": round(copy_gb_s, 1), "step_bytes": step_bytes, "results": rows}
     print(json.dumps(summary))
     base = rows[0]["step_ms"]

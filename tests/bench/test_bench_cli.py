@@ -230,6 +230,9 @@ def test_decode_step_ab_checks_settings_and_needs_a_gpu():
     bad = subprocess.run([sys.executable, str(script), "--settings", '{"TURNOUT_PDL": "0"}'], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode != 0 and "--settings" in bad.stderr
+    bad = subprocess.run([sys.executable, str(script), "--settings", '[{"model:fused_norms": "0"}]'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "model:fused_norms" in bad.stderr and "model:fused_prenorm" in bad.stderr
     if not torch.cuda.is_available():
         run = subprocess.run([sys.executable, str(script), "--settings", '[{}, {"TURNOUT_PDL": "0"}]'],
                              capture_output=True, text=True, timeout=120)

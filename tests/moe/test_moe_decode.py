@@ -71,10 +71,28 @@ def test_decode_config_from_the_environment(monkeypatch):
     gen = torch.Generator().manual_seed(12)
     problem = _problem(gen, 2, 32, 48, 16, 2, torch.float32)
     _check(moe_experts_decode(*problem), *problem, torch.float32)
-    for bad in ('{"block_n3": 16}', "not json", "[16]", '{"block_n2": "64"}', '{"block_k1": 0}'):
+    monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", '{"one_token": 0}')
+    assert moe_decode._env_config().one_token == 0
+    for bad in ('{"block_n3": 16}', "not json", "[16]", '{"block_n2": "64"}', '{"block_k1": 0}', '{"one_token": 2}',
+                '{"one_token": true}'):
         monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="TURNOUT_MOE_DECODE_CONFIG"):
             moe_experts_decode(*problem)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_one_token_down_kernel_sums_the_slots(dtype):
+    """One token: the down kernel that sums the slots in registers, on ragged tiles (H 40, I 48 against
+    tiles of 16 x 32), with duplicate and out-of-range ids, equals the reference and the per-slot kernels."""
+    gen = torch.Generator().manual_seed(13)
+    x, w13, w2, weights, _ = _problem(gen, 1, 40, 48, 8, 6, dtype)
+    for row in ([2, 2, 5, -1, 8, 0], [7, 6, 5, 4, 3, 2], [-1, -1, -1, 9, 8, 100]):
+        ids = torch.tensor([row], dtype=torch.int32, device=DEVICE)
+        for cfg in (DecodeConfig(one_token=1, block_n_one=16, block_k_one=32), DecodeConfig(one_token=1)):
+            got = moe_experts_decode(x, w13, w2, weights, ids, config=cfg)
+            _check(got, x, w13, w2, weights, ids, dtype)
+            two_kernels = moe_experts_decode(x, w13, w2, weights, ids, config=DecodeConfig(one_token=0))
+            torch.testing.assert_close(got, two_kernels, atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
 def test_decode_duplicate_ids_in_a_token_both_count():

@@ -78,12 +78,18 @@ def _meta(num_new: int, num_cached: int, device):
         max_query_len=num_new, max_seq_len=total)
 
 
-def _run_both(name, tmp_path, device, dtype, policy=""):
+def _run_both(name, tmp_path, device, dtype, policy="", fused_norms=None, fuse_when=None):
     hf = _build_hf(name, dtype)
     hf.save_pretrained(tmp_path)
     ops = resolve(PLATFORM, Policy.parse(policy) if policy else Policy())
     loaded = load_model(str(tmp_path), dtype=dtype, device=device, ops=ops)
     model, config = loaded.model, loaded.hf_config
+    if fused_norms is not None:  # the batch-1 decode wiring of a GPU: one-row projections, norms fused in
+        from turnout.layers.linear import use_fused_prenorm, use_small_m_linear
+        from turnout.ops.triton.linear import small_m_linear
+
+        use_small_m_linear(model, small_m_linear)
+        use_fused_prenorm(model, fused_norms, fuse_when)
     ids = torch.randint(0, config.vocab_size, (13,), generator=torch.Generator().manual_seed(2))
     prompt, last = ids[:-1].to(device), ids[-1:].to(device)
     heads = config.num_key_value_heads
@@ -112,6 +118,42 @@ def test_logits_match_transformers_fp32(name, tmp_path):
 def test_glm4_moe_through_triton_experts(tmp_path):
     """The same model with the Triton expert backend (interpreter on CPU) gives the same logits."""
     ours, theirs, _ = _run_both("glm4_moe", tmp_path, "cpu", torch.float32, policy="moe_experts=triton.default")
+    assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
+def test_decode_with_norms_fused_into_projections(name, tmp_path):
+    """The one-token step with each pre-norm computed inside the projection that reads it
+    (add_rms_norm_linear, Triton under the interpreter on CPU): dense and MoE layers, Qwen2-MoE's gated
+    shared expert, GLM's float32 router. Same logits as transformers, and every layer's two norms fused."""
+    if not PLATFORM.triton_usable():
+        pytest.skip("Triton does not run here")
+    from turnout.ops.triton.linear import add_rms_norm_linear
+
+    calls = []
+    ours, theirs, model = _run_both(name, tmp_path, "cpu", torch.float32,
+                                    fused_norms=lambda *a: calls.append(a[0].shape) or add_rms_norm_linear(*a))
+    # GLM's float32 router takes the normed row as a tensor (its projection runs in fp32): not fused there
+    fp32_routers = sum(bool(getattr(getattr(layer.mlp, "gate", None), "logits_fp32", False))
+                       for layer in model.model.layers)
+    assert fp32_routers == (2 if name == "glm4_moe" else 0)
+    assert len(calls) == 2 * model.config.num_hidden_layers - fp32_routers and all(c[0] == 1 for c in calls)
+    assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+
+
+def test_norm_fusion_only_where_the_predicate_allows(tmp_path):
+    """``use_fused_prenorm(..., when)``: a projection whose (N, K) the predicate refuses (here the routers,
+    N = 8 experts) gets the plain norm; the others stay fused; the logits do not change."""
+    if not PLATFORM.triton_usable():
+        pytest.skip("Triton does not run here")
+    from turnout.ops.triton.linear import add_rms_norm_linear
+
+    shapes = []
+    ours, theirs, model = _run_both("qwen3_moe", tmp_path, "cpu", torch.float32,
+                                    fused_norms=lambda *a: shapes.append(tuple(a[4].shape)) or add_rms_norm_linear(*a),
+                                    fuse_when=lambda n, k: n != 8)
+    assert shapes and all(n != 8 for n, _ in shapes)
+    assert len(shapes) == model.config.num_hidden_layers + 1  # every qkv, and the dense layer's gate_up
     assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
 
 

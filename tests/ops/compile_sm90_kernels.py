@@ -28,11 +28,14 @@ def _cases():
            dict(IS_NEOX=True, HALF=64, BLOCK_H=8, BLOCK_HALF=64, **PDL), {})
     for dot in (True, False):
         for even in (True, False):
-            yield (f"small_m dot={dot} even_k={even}", linear._small_m_kernel,
-                   dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "y_ptr"), B),
-                   dict(HAS_BIAS=True, BLOCK_M=16 if dot else 1, BLOCK_N=32 if dot else 4,
-                        BLOCK_K=128 if dot else 2048, EVEN_K=even, USE_DOT=dot, PRECISION=None, UPCAST=False, **PDL),
-                   {"num_stages": 4 if dot else 3})  # as pick_config chooses for Qwen3-30B-A3B
+            for fuse_norm, res in ((False, False), (True, True), (True, False)):
+                yield (f"small_m dot={dot} even_k={even} norm={fuse_norm} residual={res}", linear._small_m_kernel,
+                       {**dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr", "ro_ptr", "no_ptr"), B),
+                        "eps": "fp32"},
+                       dict(HAS_BIAS=True, BLOCK_M=16 if dot else 1, BLOCK_N=32 if dot else 4,
+                            BLOCK_K=128 if dot else 2048, EVEN_K=even, USE_DOT=dot, PRECISION=None, UPCAST=False,
+                            NORM=fuse_norm, HAS_RES=res, BLOCK_S=256 if dot else 4096, **PDL),
+                       {"num_stages": 4 if dot else 3})  # as pick_config chooses for Qwen3-30B-A3B
     yield ("fused_add_rms_norm", norm._fused_add_rms_norm_kernel, {"X": B, "R": B, "W": B, "eps": "fp32"},
            dict(BLOCK=2048, **PDL), {"num_warps": 8})
     yield ("rms_norm", norm._rms_norm_kernel, {"X": B, "W": B, "OUT": B, "eps": "fp32"}, dict(BLOCK=2048, **PDL), {})
@@ -57,6 +60,9 @@ def _cases():
     yield ("moe decode down", moe_decode._decode_down_kernel,
            {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": F32, "ids_ptr": I32}, dict(BLOCK_N=128, **moe),
            {"num_stages": 3})
+    yield ("moe decode one-token down", moe_decode._one_token_down_kernel,
+           {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": B, "ids_ptr": I32},
+           dict(KP=8, BLOCK_N=8, BLOCK_K=1024, EVEN_K=False, **PDL), {"num_stages": 4, "num_warps": 8})
     yield ("moe sum slots", moe_decode._sum_slots_kernel, {"pair_out_ptr": F32, "ids_ptr": I32, "out_ptr": B},
            dict(KP=8, BLOCK_H=512, **PDL), {})
 

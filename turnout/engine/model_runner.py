@@ -51,6 +51,17 @@ class ModelRunner:
             # one-row projections (batch-1 decode); looked up per call, so the layers see the op table's
             # implementation once its first call has settled it (or fallen back)
             use_small_m_linear(self.model, lambda x, w, b=None: ops.small_m_linear(x, w, b))
+            fused = ops.resolutions.get("add_rms_norm_linear")
+            if fused is not None and fused.chosen not in (None, "reference.torch"):
+                from turnout.layers.linear import use_fused_prenorm
+
+                # each pre-norm computed inside the one-row projection that reads it (PendingNorm), where the
+                # Triton kernel's measurements say it pays
+                when = None
+                if fused.chosen == "triton.default":
+                    from turnout.ops.triton.linear import norm_fusion_pays as when
+                use_fused_prenorm(self.model, lambda x, r, nw, eps, w, b=None: ops.add_rms_norm_linear(
+                    x, r, nw, eps, w, b), when)
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]

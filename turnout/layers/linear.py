@@ -37,7 +37,10 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_m) -> torch.Tensor:
-    """F.linear, or the ``small_m_linear`` op for a one-row input when a model was given it."""
+    """F.linear, or the ``small_m_linear`` op for a one-row input when a model was given it. ``x`` may also be
+    a norm not yet computed (``turnout.layers.norm.PendingNorm``), which this projection may fuse."""
+    if not isinstance(x, torch.Tensor):
+        return x.project(weight, bias, small_m)
     if small_m is not None and x.dim() == 2 and x.shape[0] == 1:
         return small_m(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -215,3 +218,18 @@ def use_small_m_linear(model: nn.Module, op) -> int:
             mod.small_m = op
             changed += 1
     return changed
+
+
+def use_fused_prenorm(model: nn.Module, op, when=None) -> int:
+    """Let every decoder layer of ``model`` fuse its two pre-norms into the projections that read them at
+    batch-1 decode, through ``op`` (the ``add_rms_norm_linear`` op; None turns it off again), for the
+    projection shapes where ``when(N, K)`` is true (None: all). Only with ``use_small_m_linear``: the fused
+    kernel is the one-row projection's. Returns the number of layers."""
+    changed = 0
+    for mod in model.modules():
+        if hasattr(mod, "prenorm_linear"):
+            mod.prenorm_linear = op
+            mod.prenorm_when = when
+            changed += 1
+    return changed
+

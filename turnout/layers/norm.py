@@ -30,3 +30,59 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class PendingNorm:
+    """``rms_norm(x + residual)`` not computed yet: the first one-row projection that reads it computes it.
+
+    At batch-1 decode on a GPU, a decoder layer hands one of these to its attention and MLP blocks (those whose
+    class sets ``takes_pending_norm``) instead of the normed tensor. The block's first projection goes
+    through ``project`` (turnout/layers/linear.py), which calls ``.project``: the ``add_rms_norm_linear`` op
+    normalises the row inside the projection's own kernel, so the norm costs neither a kernel nor a
+    dependent memory round trip, and it also returns the normed row and x + residual for the rest of the
+    layer. Anything else that needs the values calls ``.tensor()``; without the fused op (other rows, no
+    op) that runs the plain ``fused_add_rms_norm`` in place, exactly the unfused layer.
+    """
+
+    def __init__(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, fused_op, fuse_when=None):
+        self.norm, self.x, self.residual_in, self.fused_op = norm, x, residual, fused_op
+        self.fuse_when = fuse_when  # (N, K) -> whether the fused kernel pays for this projection; None: always
+        self._normed: torch.Tensor | None = None
+        self._residual: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    def dim(self) -> int:
+        return self.x.dim()
+
+    def project(self, weight: torch.Tensor, bias: torch.Tensor | None, small_m) -> torch.Tensor:
+        from turnout.layers.linear import project
+
+        if (self._normed is None and self.fused_op is not None and small_m is not None and self.x.shape[0] == 1
+                and (self.fuse_when is None or self.fuse_when(*weight.shape))):
+            y, self._residual, self._normed = self.fused_op(self.x, self.residual_in, self.norm.weight, self.norm.eps,
+                                                            weight, bias)
+            return y
+        return project(self.tensor(), weight, bias, small_m)
+
+    def tensor(self) -> torch.Tensor:
+        """The normed values [T, H] (computed now if no projection has yet)."""
+        if self._normed is None:
+            if self.residual_in is None:  # first layer: the embedding output is the residual stream
+                self._normed, self._residual = self.norm(self.x), self.x
+            else:
+                self._normed, self._residual = self.norm(self.x, self.residual_in)
+        return self._normed
+
+    @property
+    def residual(self) -> torch.Tensor:
+        """x + residual, the residual stream after this norm."""
+        self.tensor()
+        return self._residual
+
+
+def resolve(x) -> torch.Tensor:
+    """The tensor behind ``x`` (a tensor, or a PendingNorm computed now if it must be)."""
+    return x.tensor() if isinstance(x, PendingNorm) else x

@@ -29,7 +29,7 @@ from turnout.layers.activation import SiluAndMul
 from turnout.layers.attention import Attention, AttentionMetadata
 from turnout.layers.embedding import LMHead, VocabEmbedding
 from turnout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from turnout.layers.norm import RMSNorm
+from turnout.layers.norm import PendingNorm, RMSNorm
 from turnout.layers.rotary import RotaryEmbedding, get_rope
 
 
@@ -50,6 +50,8 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul(ops)
+
+    takes_pending_norm = True  # gate_up_proj may compute the layer's pre-norm (PendingNorm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
@@ -72,6 +74,8 @@ class DecoderAttention(nn.Module):
         self.qk_norm = qk_norm
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ops)
+
+    takes_pending_norm = True  # qkv_proj may compute the layer's pre-norm (PendingNorm)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
         t = hidden.shape[0]
@@ -97,7 +101,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
+    # The add_rms_norm_linear op (``use_fused_prenorm``): at one row each pre-norm is computed inside the
+    # first projection that reads it, not by a kernel of its own. None: the plain norms.
+    prenorm_linear = None
+    prenorm_when = None  # (N, K) -> whether to fuse into a projection of that shape; None: always
+
     def forward(self, positions, hidden, residual, kv_cache, meta):
+        if self.prenorm_linear is not None and hidden.shape[0] == 1:
+            return self._forward_fused_norms(positions, hidden, residual, kv_cache, meta)
         if residual is None:  # first layer: the embedding output is the residual stream
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -105,6 +116,18 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _forward_fused_norms(self, positions, hidden, residual, kv_cache, meta):
+        x = PendingNorm(self.input_layernorm, hidden, residual, self.prenorm_linear, self.prenorm_when)
+        hidden = self.self_attn(positions, _block_input(x, self.self_attn), kv_cache, meta)
+        x = PendingNorm(self.post_attention_layernorm, hidden, x.residual, self.prenorm_linear, self.prenorm_when)
+        hidden = self.mlp(_block_input(x, self.mlp))
+        return hidden, x.residual
+
+
+def _block_input(x: PendingNorm, block: nn.Module):
+    """The pending norm for a block that takes one (its first projection computes it), else the tensor now."""
+    return x if getattr(block, "takes_pending_norm", False) else x.tensor()
 
 
 class DecoderModel(nn.Module):

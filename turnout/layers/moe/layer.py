@@ -23,6 +23,7 @@ from turnout.layers.linear import (MergedColumnParallelLinear, ReplicatedLinear,
                                    project)
 from turnout.layers.moe.experts import FusedExperts
 from turnout.layers.moe.router import RoutingConfig, select_experts
+from turnout.layers.norm import resolve
 
 
 class Router(nn.Module):
@@ -51,6 +52,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k])."""
         if self.logits_fp32:
+            x = resolve(x)
             logits = project(x.float(), self.weight.float(), None, self.small_m)  # [T, E]
         else:
             logits = project(x, self.weight, None, self.small_m)
@@ -98,8 +100,11 @@ class SparseMoeBlock(nn.Module):
             self.add_module(shared_name, SharedExpertMLP(hidden_size, shared_intermediate_size, ops))
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False) if shared_gated else None
 
+    takes_pending_norm = True  # the router's projection may compute the layer's pre-norm (PendingNorm)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(hidden)  # the only routing decision
+        hidden = resolve(hidden)  # [T, H]
         routed_in = self.fc1_latent_proj(hidden) if self.latent else hidden  # [T, L] or [T, H]
         out = self.experts(routed_in, topk_weights, topk_ids)
         if self.latent:

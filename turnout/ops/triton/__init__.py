@@ -26,6 +26,7 @@ KERNELS: dict[str, str] = {
     "moe_experts": "moe:moe_experts",
     "select_experts": "routing:select_experts",
     "small_m_linear": "linear:small_m_linear",
+    "add_rms_norm_linear": "linear:add_rms_norm_linear",
 }
 
 

@@ -18,6 +18,11 @@ GEMMs. Here every program finds its own rows:
    no atomics; rows of invalid ids are never written nor read), cast to hidden's dtype. All slots of a
    column tile come in one 2-D load: at batch 1 the kernel is one memory round trip.
 
+For one token (batch-1 decode) steps 2 and 3 are one kernel, ``_one_token_down_kernel``: a program owns a
+column tile of H and streams that tile of every slot's expert (the k experts' rows, one after another in one
+pipelined loop), with the slot weight folded into the activation, so the slots are summed in registers and
+the layer needs no third kernel nor the fp32 round trip of the per-slot outputs.
+
 The routing is consumed as given (seed 001).
 """
 
@@ -57,6 +62,14 @@ class DecodeConfig:
     num_stages: int = 4
     num_warps2: int | None = None  # down kernel (None: as gate/up)
     num_stages2: int | None = 3
+    # one token: 1 runs the down kernel that also sums the slots, 0 the per-slot kernel and the sum kernel.
+    # In the captured Qwen3-30B-A3B step on the H200 (docs/benchmarks.md, fifth session) 8 columns x the whole
+    # I (768, in a 1024 tile) with 8 warps beat the pair by 1.8 %; 256- or 512-wide K tiles lost 7-14 %.
+    one_token: int = 1
+    block_n_one: int = 8
+    block_k_one: int = 1024
+    num_warps_one: int = 8
+    num_stages_one: int = 4
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -73,7 +86,12 @@ def _env_config() -> DecodeConfig:
                          f"{sorted(DecodeConfig.__dataclass_fields__)}")
     for name, value in fields.items():
         optional = name in ("num_warps2", "num_stages2")
-        if not ((isinstance(value, int) and value > 0) or (optional and value is None)):
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if name == "one_token":
+            if not (is_int and value in (0, 1)):
+                raise ValueError(f"{CONFIG_ENV}: one_token must be 0 or 1, got {value!r}")
+            continue
+        if not ((is_int and value > 0) or (optional and value is None)):
             raise ValueError(f"{CONFIG_ENV}: {name} must be a positive int{' or null' if optional else ''}, "
                              f"got {value!r}")
     return replace(DEFAULT_CONFIG, **fields)
@@ -226,6 +244,47 @@ def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, top_k, num_experts, H, str
              mask=col_ok)
 
 
+@triton.jit
+def _one_token_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
+                           top_k, num_experts, H, I, stride_act, stride_we, stride_wn,
+                           KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           PDL: tl.constexpr):
+    """out[0, cols] = sum_j weight[j] * act[j] @ w2[ids[j], cols].T for one token, summed in registers.
+
+    The slot weight scales the activation before the products, so one [BN, BK] fp32 partial serves every
+    slot and is reduced across lanes once. Slots with an id outside [0, E) contribute nothing (their
+    activation rows were never written, so they are not read)."""
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    cols = tl.where(col_ok, cols, 0)
+    slots = tl.arange(0, KP)
+    ids = tl.load(ids_ptr + slots, mask=slots < top_k, other=-1).to(tl.int64)  # [KP]
+    valid = (slots < top_k) & (ids >= 0) & (ids < num_experts)
+    ids = tl.where(valid, ids, 0)
+    scale = tl.where(valid, tl.load(weights_ptr + slots, mask=slots < top_k, other=0.0), 0.0)  # [KP] fp32
+    ks = tl.arange(0, BLOCK_K)
+    n_k = tl.cdiv(I, BLOCK_K)
+    part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for it in range(0, top_k * n_k):  # (slot, K tile) in one loop, so the loads pipeline across slots
+        j = it // n_k
+        k0 = (it - j * n_k) * BLOCK_K
+        pick = slots == j
+        e = tl.sum(tl.where(pick, ids, 0), axis=0)
+        ok = (ks * 0 + tl.sum(tl.where(pick, valid.to(tl.int32), 0), axis=0)) > 0  # [BK]: the slot's id is valid
+        s = tl.sum(tl.where(pick, scale, 0.0), axis=0)
+        w_rows = w2_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        if EVEN_K:
+            w = tl.load(w_rows + (k0 + ks)[None, :])
+            a = tl.load(act_ptr + j * stride_act + k0 + ks, mask=ok, other=0.0)
+        else:
+            k_ok = (k0 + ks) < I
+            w = tl.load(w_rows + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
+            a = tl.load(act_ptr + j * stride_act + k0 + ks, mask=ok & k_ok, other=0.0)
+        part += w.to(tl.float32) * (a.to(tl.float32) * s)[None, :]
+    tl.store(out_ptr + cols, tl.sum(part, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -271,6 +330,16 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         SCAN=scan, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, BY_SLOT=by_slot,
         EVEN_K=hidden_size % bk1 == 0, PRECISION=precision, UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=stages, **pdl_args(hidden))
+    out = torch.empty_like(hidden)  # [T, H]
+    kp = _pow2(top_k)
+    if num_tokens == 1 and cfg.one_token:
+        bn, bk = max(1, min(cfg.block_n_one, _pow2(hidden_size))), max(16, min(cfg.block_k_one, _pow2(inter)))
+        _one_token_down_kernel[(triton.cdiv(hidden_size, bn),)](
+            act, w2, weights, out, ids, top_k, num_experts, hidden_size, inter,
+            act.stride(0), w2.stride(0), w2.stride(1),
+            KP=kp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=inter % bk == 0,
+            num_warps=cfg.num_warps_one, num_stages=1 if _INTERPRET else cfg.num_stages_one, **pdl_args(hidden))
+        return out
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)  # [T*k, H]
     _decode_down_kernel[(grid0, triton.cdiv(hidden_size, bn2))](
         act, w2, weights, pair_out, ids, num_pairs, num_experts, hidden_size, inter,
@@ -279,8 +348,6 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         EVEN_K=inter % bk2 == 0, PRECISION=precision, UPCAST=upcast,
         num_warps=cfg.num_warps2 or cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages2 or stages,
         **pdl_args(hidden))
-    out = torch.empty_like(hidden)  # [T, H]
-    kp = _pow2(top_k)
     block_h = max(16, min(_pow2(hidden_size), 4096 // kp))  # a [KP, BLOCK_H] fp32 tile of <= 16 KB
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         pair_out, ids, out, top_k, num_experts, hidden_size, pair_out.stride(0), out.stride(0),
