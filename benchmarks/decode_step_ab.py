@@ -8,9 +8,9 @@ A setting is a set of environment variables read when kernels launch, hence at c
 and the tile overrides of turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``,
 ``TURNOUT_MOE_DECODE_CONFIG``). One model switch is also accepted: ``"model:fused_prenorm": "0"`` captures
 the step with the plain pre-norm kernels instead of norms fused into the projections (``use_fused_prenorm``).
-A kernel's best tile alone is not always its best tile in the step, where it overlaps its neighbours (PDL) and shares L2 with them; this measures the step itself, in one process, so
-settings are compared on the same weights, GPU and clocks (the docs/benchmarks.md fourth-session tiles
-came from here).
+A kernel's best tile alone is not always its best tile in the step, where it overlaps its neighbours (PDL)
+and shares L2 with them; this measures the step itself, in one process, so settings are compared on the same
+weights, GPU and clocks (the docs/benchmarks.md fourth-session tiles came from here).
 
 Per setting: ms per step (best of 3 rounds of ``--reps`` replays), GB/s over the bytes a step reads (weights,
 active experts and the KV cache of ``--context`` tokens per lane) and its fraction of the copy bandwidth

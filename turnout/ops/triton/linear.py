@@ -59,6 +59,32 @@ def _x_tile(x_rows, r_rows, nw_ptr, ks, ok, k_ok, rstd, NORM: tl.constexpr, HAS_
 
 
 @triton.jit
+def _tiles(w_rows, x_rows, r_rows, nw_ptr, k0, ks, K, row_ok, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+           HAS_RES: tl.constexpr):
+    """The weight tile [BN, BK] (contiguous along K) and the input tile [BM, BK] at k0."""
+    k_ok = (k0 + ks) < K
+    if EVEN_K:
+        w = tl.load(w_rows + (k0 + ks)[None, :])
+    else:
+        w = tl.load(w_rows + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
+    a = _x_tile(x_rows, r_rows, nw_ptr, k0 + ks, row_ok[:, None] & k_ok[None, :], k_ok, rstd, NORM, HAS_RES)
+    return w, a
+
+
+@triton.jit
+def _row_prologue(x_rows, r_rows, ro_rows, no_rows, nw_ptr, row_ok, K, eps, BLOCK_M: tl.constexpr,
+                  BLOCK_S: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """After the PDL wait: the rows' 1 / rms with NORM (program 0 also stores x + residual and the normed
+    rows), else ones."""
+    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_rows, r_rows, row_ok, K, eps, BLOCK_M, BLOCK_S, HAS_RES)
+        if tl.program_id(0) == 0:
+            _store_rows(x_rows, r_rows, ro_rows, no_rows, nw_ptr, row_ok, K, rstd, BLOCK_S, HAS_RES)
+    return rstd
+
+
+@triton.jit
 def _store_rows(x_rows, r_rows, ro_rows, no_rows, nw_ptr, row_ok, K, rstd, BLOCK_S: tl.constexpr,
                 HAS_RES: tl.constexpr):
     """x + residual and the normed rows, for the rest of the layer (one program; outside the weight loop, whose
@@ -110,22 +136,14 @@ def _small_m_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr, no_ptr, M
     r_rows = r_ptr + rows.to(tl.int64)[:, None] * stride_rm
     ro_rows = ro_ptr + rows.to(tl.int64)[:, None] * stride_rom
     no_rows = no_ptr + rows.to(tl.int64)[:, None] * stride_nom
-    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     ks = tl.arange(0, BLOCK_K)
     if USE_DOT:
         pdl_wait(PDL)
-        if NORM:
-            rstd = _row_rstd(x_rows, r_rows, row_ok, K, eps, BLOCK_M, BLOCK_S, HAS_RES)
-            if pid == 0:  # one program stores x + residual and the normed rows
-                _store_rows(x_rows, r_rows, ro_rows, no_rows, nw_ptr, row_ok, K, rstd, BLOCK_S, HAS_RES)
+        rstd = _row_prologue(x_rows, r_rows, ro_rows, no_rows, nw_ptr, row_ok, K, eps, BLOCK_M, BLOCK_S, NORM,
+                             HAS_RES)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + ks) < K
-            if EVEN_K:
-                w = tl.load(w_rows + (k0 + ks)[None, :])
-            else:
-                w = tl.load(w_rows + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
-            a = _x_tile(x_rows, r_rows, nw_ptr, k0 + ks, row_ok[:, None] & k_ok[None, :], k_ok, rstd, NORM, HAS_RES)
+            w, a = _tiles(w_rows, x_rows, r_rows, nw_ptr, k0, ks, K, row_ok, rstd, EVEN_K, NORM, HAS_RES)
             if UPCAST:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
@@ -137,19 +155,12 @@ def _small_m_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr, no_ptr, M
         else:
             w = tl.load(w_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
         pdl_wait(PDL)
-        if NORM:
-            rstd = _row_rstd(x_rows, r_rows, row_ok, K, eps, BLOCK_M, BLOCK_S, HAS_RES)
-            if pid == 0:  # one program stores x + residual and the normed rows
-                _store_rows(x_rows, r_rows, ro_rows, no_rows, nw_ptr, row_ok, K, rstd, BLOCK_S, HAS_RES)
+        rstd = _row_prologue(x_rows, r_rows, ro_rows, no_rows, nw_ptr, row_ok, K, eps, BLOCK_M, BLOCK_S, NORM,
+                             HAS_RES)
         a = _x_tile(x_rows, r_rows, nw_ptr, ks, row_ok[:, None] & (ks < K)[None, :], ks < K, rstd, NORM, HAS_RES)
         part = w.to(tl.float32) * a.to(tl.float32)  # [BN, BK] * [1, BK]
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            k_ok = (k0 + ks) < K
-            if EVEN_K:
-                w = tl.load(w_rows + (k0 + ks)[None, :])
-            else:
-                w = tl.load(w_rows + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
-            a = _x_tile(x_rows, r_rows, nw_ptr, k0 + ks, row_ok[:, None] & k_ok[None, :], k_ok, rstd, NORM, HAS_RES)
+            w, a = _tiles(w_rows, x_rows, r_rows, nw_ptr, k0, ks, K, row_ok, rstd, EVEN_K, NORM, HAS_RES)
             part += w.to(tl.float32) * a.to(tl.float32)
         acc = tl.sum(part, axis=1)[None, :]  # [1, BN]
     if HAS_BIAS:
