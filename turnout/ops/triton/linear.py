@@ -104,8 +104,8 @@ def _store_rows(x_rows, r_rows, ro_rows, no_rows, nw_ptr, row_ok, K, rstd, BLOCK
 def _row_rstd(x_rows, r_rows, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
               HAS_RES: tl.constexpr):
     """1 / rms of each row of x + residual (rounded to x's dtype first), [BM] fp32; read from L2 once per
-    program, in as few wide loads as fit in registers (``BLOCK_K`` here is the statistics tile: a loop of
-    narrow loads before the first product cost Qwen3-8B 40 % of its step)."""
+    program, in as few wide loads as fit in registers (``BLOCK_K`` here is the statistics tile; a loop of
+    projection-wide tiles before the first product slowed Qwen3-8B's step, docs/benchmarks.md)."""
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
