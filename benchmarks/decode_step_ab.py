@@ -6,8 +6,10 @@ each setting, time replays, check the logits.
 
 A setting is a set of environment variables read when kernels launch, hence at capture: ``TURNOUT_PDL``,
 and the tile overrides of turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``,
-``TURNOUT_MOE_DECODE_CONFIG``). One model switch is also accepted: ``"model:fused_prenorm": "0"`` captures
-the step with the plain pre-norm kernels instead of norms fused into the projections (``use_fused_prenorm``).
+``TURNOUT_MOE_DECODE_CONFIG``). Model switches are also accepted: ``"model:fused_prenorm": "0"`` captures
+the step with the plain pre-norm kernels instead of norms fused into the projections (``use_fused_prenorm``),
+``"model:rope_attention": "1"`` with q/k norm, RoPE and the cache write inside the attention kernel
+(``use_rope_attention``; off unless ``TURNOUT_ROPE_ATTENTION=1`` wired it at start-up).
 A kernel's best tile alone is not always its best tile in the step, where it overlaps its neighbours (PDL)
 and shares L2 with them; this measures the step itself, in one process, so settings are compared on the same
 weights, GPU and clocks (the docs/benchmarks.md fourth-session tiles came from here).
@@ -33,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-MODEL_SWITCHES = ("model:fused_prenorm",)
+MODEL_SWITCHES = ("model:fused_prenorm", "model:rope_attention")
 
 
 def _settings(text: str) -> list[dict]:
@@ -97,10 +99,18 @@ def main() -> int:
     step_bytes = geo.weight_bytes_per_step(args.batch) + args.batch * args.context * geo.kv_bytes_per_token
     copy_gb_s = copy_bandwidth(runner.device)  # GB/s
     base_env = dict(os.environ)
+    from turnout.layers.attention import use_rope_attention
     from turnout.layers.linear import use_fused_prenorm
 
     fused_layer = next((m for m in runner.model.modules() if getattr(m, "prenorm_linear", None)), None)
     fused_op, fused_when = (fused_layer.prenorm_linear, fused_layer.prenorm_when) if fused_layer else (None, None)
+    # rotary_paged_attention: wired at start-up only with TURNOUT_ROPE_ATTENTION=1; a setting may turn it on
+    rope_wired = next((m.rope_attention for m in runner.model.modules() if getattr(m, "rope_attention", None)), None)
+    rope_op = rope_wired
+    rope_res = runner.ops.resolutions.get("rotary_paged_attention")
+    if rope_op is None and rope_res is not None and rope_res.chosen not in (None, "reference.torch"):
+        rope_op = lambda *a: runner.ops.rotary_paged_attention(*a)  # noqa: E731
+    rope_default = "1" if rope_wired is not None else "0"
     first = None
     rows = []
     for setting in settings:
@@ -109,6 +119,7 @@ def main() -> int:
         os.environ.update({k: v for k, v in setting.items() if not k.startswith("model:")})
         fused = setting.get("model:fused_prenorm", "1") != "0"
         use_fused_prenorm(runner.model, fused_op if fused else None, fused_when)
+        use_rope_attention(runner.model, rope_op if setting.get("model:rope_attention", rope_default) == "1" else None)
         runner.graphs = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -152,7 +163,8 @@ def main() -> int:
     os.environ.clear()
     os.environ.update(base_env)
     use_fused_prenorm(runner.model, fused_op, fused_when)
-    summary = {"fused_prenorm_available": fused_op is not None,
+    use_rope_attention(runner.model, rope_wired)
+    summary = {"fused_prenorm_available": fused_op is not None, "rope_attention_available": rope_op is not None,
                "model": args.model, "batch": args.batch, "context": args.context, "gpu": torch.cuda.get_device_name(),
                "copy_GB_s": round(copy_gb_s, 1), "step_bytes": step_bytes, "results": rows}
     print(json.dumps(summary))

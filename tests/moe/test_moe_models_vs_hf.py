@@ -78,7 +78,7 @@ def _meta(num_new: int, num_cached: int, device):
         max_query_len=num_new, max_seq_len=total)
 
 
-def _run_both(name, tmp_path, device, dtype, policy="", fused_norms=None, fuse_when=None):
+def _run_both(name, tmp_path, device, dtype, policy="", fused_norms=None, fuse_when=None, rope_attention=None):
     hf = _build_hf(name, dtype)
     hf.save_pretrained(tmp_path)
     ops = resolve(PLATFORM, Policy.parse(policy) if policy else Policy())
@@ -90,6 +90,10 @@ def _run_both(name, tmp_path, device, dtype, policy="", fused_norms=None, fuse_w
 
         use_small_m_linear(model, small_m_linear)
         use_fused_prenorm(model, fused_norms, fuse_when)
+    if rope_attention is not None:  # the decode wiring of a GPU: q/k norm, RoPE and cache inside attention
+        from turnout.layers.attention import use_rope_attention
+
+        use_rope_attention(model, rope_attention)
     ids = torch.randint(0, config.vocab_size, (13,), generator=torch.Generator().manual_seed(2))
     prompt, last = ids[:-1].to(device), ids[-1:].to(device)
     heads = config.num_key_value_heads
@@ -138,6 +142,22 @@ def test_decode_with_norms_fused_into_projections(name, tmp_path):
                        for layer in model.model.layers)
     assert fp32_routers == (2 if name == "glm4_moe" else 0)
     assert len(calls) == 2 * model.config.num_hidden_layers - fp32_routers and all(c[0] == 1 for c in calls)
+    assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "glm4_moe"])
+def test_decode_with_rope_inside_attention(name, tmp_path):
+    """The one-token step with q/k norm (Qwen3, GLM), RoPE (GLM: partial) and the cache write inside the
+    attention kernel (rotary_paged_attention, Triton under the interpreter): same logits as transformers,
+    one call per layer, and the prefill does not take it."""
+    if not PLATFORM.triton_usable():
+        pytest.skip("Triton does not run here")
+    from turnout.ops.triton.attention import rotary_paged_attention
+
+    calls = []
+    ours, theirs, model = _run_both(name, tmp_path, "cpu", torch.float32,
+                                    rope_attention=lambda *a: calls.append(a[15]) or rotary_paged_attention(*a))
+    assert calls == [1] * model.config.num_hidden_layers  # max_query_len of the decode step only
     assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
 
 

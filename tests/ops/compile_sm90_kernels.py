@@ -43,11 +43,14 @@ def _cases():
     yield ("reshape_and_cache", cache._reshape_and_cache_kernel,
            {"KEY": B, "VALUE": B, "KC": B, "VC": B, "SLOTS": I64},
            dict(BS=16, D=128, BLOCK_H=8, BLOCK_D=128, **PDL), {})
-    yield ("paged_attention split", attention._paged_attn_kernel,
-           {**dict.fromkeys(("Q", "K", "V", "O"), B), "BT": I32, "SEQ_LENS": I32, "QSL": I32, "WS_O": F32,
-            "WS_LSE": F32, "qk_scale": "fp32"},
-           dict(G=8, G_TILE=8, NUM_HEAD_TILES=1, BLOCK_Q=2, BLOCK_M=16, BLOCK_N=64, BS=16, HEAD_D=128, D_PAD=128,
-                SPLIT=True, PRECISION=None, **PDL), {})
+    for rope, qk_norm, neox, rot in ((False, False, True, 1), (True, True, True, 128), (True, False, False, 64)):
+        yield (f"paged_attention split rope={rope} norm={qk_norm} neox={neox} rot={rot}", attention._paged_attn_kernel,
+               {**dict.fromkeys(("Q", "K", "V", "O", "QW", "KW", "KN", "VN"), B), "BT": I32, "SEQ_LENS": I32,
+                "QSL": I32, "WS_O": F32, "WS_LSE": F32, "qk_scale": "fp32", "POS": I64, "CS": F32, "SLOTS": I64,
+                "eps": "fp32"},
+               dict(G=8, G_TILE=8, NUM_HEAD_TILES=1, BLOCK_Q=1 if rope else 2, BLOCK_M=16, BLOCK_N=64, BS=16,
+                    HEAD_D=128, D_PAD=128, SPLIT=True, PRECISION=None, ROPE=rope, HAS_NORM=qk_norm, IS_NEOX=neox,
+                    ROT=rot, HALF=max(rot // 2, 1), **PDL), {})
     yield ("split_reduce", attention._split_reduce_kernel, {"WS_O": F32, "WS_LSE": F32, "O": B},
            dict(S_PAD=4, HEAD_D=128, D_PAD=128, **PDL), {})
     yield ("route", routing._route_kernel,
@@ -60,6 +63,9 @@ def _cases():
     yield ("moe decode down", moe_decode._decode_down_kernel,
            {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": F32, "ids_ptr": I32}, dict(BLOCK_N=128, **moe),
            {"num_stages": 3})
+    yield ("moe decode one-token gate_up", moe_decode._one_token_gate_up_kernel,
+           {"x_ptr": B, "w13_ptr": B, "act_ptr": B, "ids_ptr": I32},
+           dict(BLOCK_N=4, BLOCK_K=1024, EVEN_K=True, **PDL), {"num_stages": 3})
     yield ("moe decode one-token down", moe_decode._one_token_down_kernel,
            {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": B, "ids_ptr": I32},
            dict(KP=8, BLOCK_N=8, BLOCK_K=1024, EVEN_K=False, **PDL), {"num_stages": 4, "num_warps": 8})

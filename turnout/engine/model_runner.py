@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 
 import torch
@@ -13,6 +14,7 @@ from turnout.engine.cuda_graphs import maybe_capture
 from turnout.layers.attention import AttentionMetadata
 from turnout.layers.sampler import SamplingBatch, sample
 
+ROPE_ATTENTION_ENV = "TURNOUT_ROPE_ATTENTION"  # "1": rotary_paged_attention at decode (opt-in)
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -62,6 +64,14 @@ class ModelRunner:
                     from turnout.ops.triton.linear import norm_fusion_pays as when
                 use_fused_prenorm(self.model, lambda x, r, nw, eps, w, b=None: ops.add_rms_norm_linear(
                     x, r, nw, eps, w, b), when)
+        rope_attn = ops.resolutions.get("rotary_paged_attention")
+        if (os.environ.get(ROPE_ATTENTION_ENV) == "1" and platform.is_gpu and rope_attn is not None
+                and rope_attn.chosen not in (None, "reference.torch")):
+            from turnout.layers.attention import use_rope_attention
+
+            # decode: q/k norm, RoPE and the cache write inside the attention kernel. Opt-in until measured
+            # on a GPU (docs/gpu.md); read once, here
+            use_rope_attention(self.model, lambda *args: ops.rotary_paged_attention(*args))
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]

@@ -76,6 +76,9 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ops)
 
     takes_pending_norm = True  # qkv_proj may compute the layer's pre-norm (PendingNorm)
+    # The rotary_paged_attention op (``use_rope_attention``): at decode, q/k norm, RoPE, the cache write and
+    # attention in one kernel. None: the separate ops.
+    rope_attention = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
         t = hidden.shape[0]
@@ -84,7 +87,14 @@ class DecoderAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D], strided view of the fused qkv
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # per-head norms, then RoPE, in place in the fused qkv; k and v into the cache
+        if self.rope_attention is not None and meta.max_query_len == 1:  # decode: all of it in one kernel
+            out = self.rope_attention(
+                positions, q, k, v, self.q_norm.weight if self.qk_norm else None,
+                self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 0.0,
+                self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
+                self.attn.scale)
+        elif self.qk_norm:  # per-head norms, then RoPE, in place in the fused qkv; k and v into the cache
             self.rotary_emb.with_qk_norm(positions, q, k, self.q_norm, self.k_norm, v, kv_cache, meta.slot_mapping)
             out = self.attn(q, k, v, kv_cache, meta, cache_written=True)  # [T, Hq, D]
         else:

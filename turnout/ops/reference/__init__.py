@@ -10,4 +10,4 @@ def all_specs() -> list[OpSpec]:
             activation.SILU_AND_MUL,
             cache.RESHAPE_AND_CACHE, cache.COPY_BLOCKS, cache.SWAP_BLOCKS, attention.PAGED_ATTENTION,
             sampling.SAMPLE, moe.MOE_EXPERTS, routing.SELECT_EXPERTS, linear.SMALL_M_LINEAR,
-            linear.ADD_RMS_NORM_LINEAR]
+            linear.ADD_RMS_NORM_LINEAR, attention.ROTARY_PAGED_ATTENTION]

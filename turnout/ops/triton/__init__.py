@@ -22,6 +22,7 @@ KERNELS: dict[str, str] = {
     "copy_blocks": "cache:copy_blocks",
     "swap_blocks": "cache:swap_blocks",
     "paged_attention": "attention:paged_attention",
+    "rotary_paged_attention": "attention:rotary_paged_attention",
     "sample": "sampling:sample",
     "moe_experts": "moe:moe_experts",
     "select_experts": "routing:select_experts",

@@ -34,14 +34,57 @@ _PROGRAMS_PER_SM = 2
 
 
 @triton.jit
+def _rope_layout(offs_d, ROT: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Per head dim d: the dim it rotates with, the cos/sin index, the sign of the partner's sin term, and
+    whether d rotates at all (d >= ROT passes through): o[d] = y[d] cos + sign y[partner] sin."""
+    if IS_NEOX:
+        first = offs_d < HALF
+        partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+        ci = tl.where(first, offs_d, offs_d - HALF)
+    else:
+        first = offs_d % 2 == 0
+        partner = tl.where(first, offs_d + 1, offs_d - 1)
+        ci = offs_d // 2
+    rot = offs_d < ROT
+    return tl.where(rot, partner, offs_d), tl.where(rot, ci, 0), tl.where(first, -1.0, 1.0), rot
+
+
+@triton.jit
+def _norm_rope_rows(rows, ok, offs_d, partner, sign, rot, cos, sin, W, eps, HEAD_D: tl.constexpr,
+                    HAS_NORM: tl.constexpr):
+    """Rows [R, D_PAD] of raw q or k (``rows`` [R, 1] pointers) -> RMSNorm over the head (with weight W) and
+    RoPE, rounded as ``qk_norm_rotary`` / ``rotary_embedding`` round: normalised in fp32, rounded to the
+    input dtype, scaled, rounded, rotated in fp32, rounded."""
+    d_ok = offs_d < HEAD_D
+    m = ok & d_ok[None, :]
+    x = tl.load(rows + offs_d[None, :], mask=m, other=0.0)
+    xp = tl.load(rows + partner[None, :], mask=m, other=0.0)
+    dt = x.dtype
+    y = x.to(tl.float32)
+    yp = xp.to(tl.float32)
+    if HAS_NORM:
+        r = (1.0 / tl.sqrt(tl.sum(y * y, 1) / HEAD_D + eps))[:, None]
+        w = tl.load(W + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(W + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        y = (w * (y * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        yp = (wp * (yp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return tl.where(rot[None, :], y * cos[None, :] + sign[None, :] * (yp * sin[None, :]), y).to(dt)
+
+
+@triton.jit
 def _paged_attn_kernel(
         Q, K, V, O, BT, SEQ_LENS, QSL, WS_O, WS_LSE,
         qk_scale, num_splits,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_bt, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
+        POS, CS, QW, KW, KN, VN, SLOTS, eps, stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
         G: tl.constexpr, G_TILE: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, HEAD_D: tl.constexpr,
-        D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+        HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+    """With ROPE (decode, one new token per sequence): Q, KN and VN are the raw q, k and v of the new tokens;
+    each program normalises and rotates its q rows itself, and the program whose KV range holds the new
+    position also normalises, rotates and writes the new k and v into the cache before reading it."""
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -63,8 +106,16 @@ def _paged_attn_kernel(
         q_row = (q_start + tok).to(tl.int64)
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < HEAD_D
-        q = tl.load(Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q_ptrs = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
+        if ROPE:  # one new token (BLOCK_Q == 1): its position and rotation serve q and the new k
+            partner, ci, sign, rot = _rope_layout(offs_d, ROT, HALF, IS_NEOX)
+            cs_row = CS + tl.load(POS + q_start).to(tl.int64) * stride_cs
+            cos = tl.load(cs_row + ci, mask=rot, other=1.0).to(tl.float32)
+            sin = tl.load(cs_row + HALF + ci, mask=rot, other=0.0).to(tl.float32)
+            q = _norm_rope_rows(q_ptrs, row_ok[:, None], offs_d, partner, sign, rot, cos, sin, QW, eps, HEAD_D,
+                                HAS_NORM)
+        else:
+            q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
         # Keys this tile needs: up to the last valid token's position (causal), within this split.
         kv_hi = kv_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
@@ -74,6 +125,19 @@ def _paged_attn_kernel(
             chunk = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
             kv_lo = split * chunk
             kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+        if ROPE:  # the program that reads the new position writes it (its head tiles write the same bytes)
+            new_slot = tl.load(SLOTS + q_start).to(tl.int64)
+            if (new_slot >= 0) & (kv_len - 1 >= kv_lo) & (kv_len - 1 < kv_hi):
+                one = tl.full([1, 1], 1, tl.int1)
+                k_new = _norm_rope_rows(KN + q_start.to(tl.int64) * stride_knt + kvh * stride_knh + tl.zeros(
+                    [1, 1], tl.int64), one, offs_d, partner, sign, rot, cos, sin, KW, eps, HEAD_D, HAS_NORM)
+                v_new = tl.load(VN + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d, mask=d_ok)
+                blk, off = new_slot // BS, new_slot % BS
+                tl.store(K + blk * stride_kb + off * stride_ks + kvh * stride_kh + offs_d[None, :],
+                         k_new.to(K.dtype.element_ty), mask=d_ok[None, :])
+                tl.store(V + blk * stride_vb + off * stride_vs + kvh * stride_vh + offs_d,
+                         v_new.to(V.dtype.element_ty), mask=d_ok)
+            tl.debug_barrier()  # the block's own cache writes are visible to all its threads before the loop
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -177,8 +241,10 @@ def _tiles(max_query_len: int, group: int, head_dim: int) -> dict:
 def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          max_query_len: int, max_seq_len: int, scale: float,
-                         num_splits: int | None = None) -> torch.Tensor:
-    """paged_attention with the split count exposed (None: choose; 1: never split)."""
+                         num_splits: int | None = None, rope: tuple | None = None) -> torch.Tensor:
+    """paged_attention with the split count exposed (None: choose; 1: never split). ``rope`` (decode only):
+    (positions, key, value, q_weight, k_weight, eps, cos_sin_cache, is_neox, slot_mapping) of
+    ``rotary_paged_attention``; then ``query`` is the raw q and the kernel does the rest."""
     num_tokens, hq, head_dim = query.shape
     out = torch.empty((num_tokens, hq, head_dim), dtype=query.dtype, device=query.device)
     batch = seq_lens.shape[0]
@@ -203,15 +269,32 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         ws_o, ws_lse = out.view(num_tokens, hq, 1, head_dim), out  # unused
     precision = "ieee" if query.dtype == torch.float32 else None  # None: the target's default for half types
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_Q"]), batch, hk * num_head_tiles * num_splits)
+    if rope is not None:
+        if cfg["BLOCK_Q"] != 1:
+            raise ValueError("paged attention with RoPE fused takes one new token per sequence (decode)")
+        positions, key, value, q_weight, k_weight, eps, cos_sin_cache, is_neox, slot_mapping = rope
+        if key.stride(-1) != 1 or value.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+            raise ValueError("rotary_paged_attention needs a unit stride on the head dimension")
+        rot_dim = cos_sin_cache.shape[-1]
+        rope_args = (positions, cos_sin_cache, q_weight if q_weight is not None else query,
+                     k_weight if k_weight is not None else query, key, value, slot_mapping, float(eps),
+                     cos_sin_cache.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+        rope_consts = dict(ROPE=True, HAS_NORM=q_weight is not None, IS_NEOX=bool(is_neox), ROT=rot_dim,
+                           HALF=rot_dim // 2)
+    else:
+        rope_args = (query,) * 7 + (0.0,) + (0,) * 5
+        rope_consts = dict(ROPE=False, HAS_NORM=False, IS_NEOX=True, ROT=1, HALF=1)
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, ws_o, ws_lse,
         scale * LOG2E, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0), ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), ws_lse.stride(1),
+        *rope_args,
         G=group, G_TILE=cfg["G_TILE"], NUM_HEAD_TILES=num_head_tiles, BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
-        SPLIT=split, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(query))
+        SPLIT=split, PRECISION=precision, **rope_consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_args(query))
     if split:
         _split_reduce_kernel[(num_tokens, hq)](
             ws_o, ws_lse, out, num_splits, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
@@ -225,3 +308,34 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     scale: float) -> torch.Tensor:
     return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                                 max_seq_len, scale)
+
+
+def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                           cos_sin_cache: torch.Tensor, is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                           scale: float) -> torch.Tensor:
+    """See turnout/ops/reference/attention.py. Decode (one new token per sequence): one attention kernel
+    that also normalises and rotates q and the new k and writes k and v into the cache. Otherwise the
+    separate kernels, on copies of q and k (the op leaves its inputs alone)."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("rotary_paged_attention: give both q_weight and k_weight, or neither")
+    if max_query_len == 1 and query.shape[0] > 0:
+        if q_weight is not None:
+            q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+        return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                                    max_seq_len, scale, rope=(positions, key, value, q_weight, k_weight, eps,
+                                                              cos_sin_cache, is_neox, slot_mapping))
+    from turnout.ops.triton.cache import reshape_and_cache
+    from turnout.ops.triton.rotary import qk_norm_rotary_cache, rotary_embedding
+
+    q, k = query.clone(), key.clone()
+    if q_weight is not None:
+        qk_norm_rotary_cache(positions, q, k, value, q_weight, k_weight, eps, cos_sin_cache, is_neox, k_cache,
+                             v_cache, slot_mapping)
+    else:
+        rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+        reshape_and_cache(k, value.contiguous(), k_cache, v_cache, slot_mapping)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
+                           scale)

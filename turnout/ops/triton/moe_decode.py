@@ -70,6 +70,13 @@ class DecodeConfig:
     block_k_one: int = 1024
     num_warps_one: int = 8
     num_stages_one: int = 4
+    # one token: 1 runs gate/up on the CUDA cores, one program per (slot, BN columns of I) streaming whole-K
+    # tiles; 0 the tl.dot kernel above (one program per distinct expert)
+    one_token_gate_up: int = 0
+    block_n1_one: int = 4
+    block_k1_one: int = 1024
+    num_warps1_one: int = 4
+    num_stages1_one: int = 3
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -87,9 +94,9 @@ def _env_config() -> DecodeConfig:
     for name, value in fields.items():
         optional = name in ("num_warps2", "num_stages2")
         is_int = isinstance(value, int) and not isinstance(value, bool)
-        if name == "one_token":
+        if name in ("one_token", "one_token_gate_up"):
             if not (is_int and value in (0, 1)):
-                raise ValueError(f"{CONFIG_ENV}: one_token must be 0 or 1, got {value!r}")
+                raise ValueError(f"{CONFIG_ENV}: {name} must be 0 or 1, got {value!r}")
             continue
         if not ((is_int and value > 0) or (optional and value is None)):
             raise ValueError(f"{CONFIG_ENV}: {name} must be a positive int{' or null' if optional else ''}, "
@@ -245,6 +252,46 @@ def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, top_k, num_experts, H, str
 
 
 @triton.jit
+def _one_token_gate_up_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, num_experts, H, I, stride_we, stride_wn,
+                              stride_act, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                              PDL: tl.constexpr):
+    """act[j, cols] = silu(x @ w13[e, cols].T) * (x @ w13[e, I + cols].T) for one token's slot j (e = ids[j]).
+
+    One program per (slot, BN columns): the gate and up rows stream in whole-K tiles on the CUDA cores into
+    [BN, BK] fp32 partials reduced once. A slot whose id is outside [0, E) writes nothing (nor is its row
+    read later). Duplicate ids compute the same row twice; each slot owns its own act row."""
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
+    j = tl.program_id(0)
+    e = tl.load(ids_ptr + j).to(tl.int64)
+    if (e < 0) | (e >= num_experts):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    cols = tl.where(col_ok, cols, 0)
+    w_gate = w13_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+    w_up = w_gate + I * stride_wn
+    ks = tl.arange(0, BLOCK_K)
+    part_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    part_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptr + k0 + ks).to(tl.float32)[None, :]
+            wg = tl.load(w_gate + (k0 + ks)[None, :])
+            wu = tl.load(w_up + (k0 + ks)[None, :])
+        else:
+            k_ok = (k0 + ks) < H
+            a = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            wg = tl.load(w_gate + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
+            wu = tl.load(w_up + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
+        part_g += wg.to(tl.float32) * a
+        part_u += wu.to(tl.float32) * a
+    g = tl.sum(part_g, axis=1)
+    u = tl.sum(part_u, axis=1)
+    tl.store(act_ptr + j.to(tl.int64) * stride_act + cols, (g * tl.sigmoid(g) * u).to(act_ptr.dtype.element_ty),
+             mask=col_ok)
+
+
+@triton.jit
 def _one_token_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
                            top_k, num_experts, H, I, stride_act, stride_we, stride_wn,
                            KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -324,12 +371,19 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     bn2, bk2 = _fit(bn2, hidden_size), _fit(bk2, inter)
 
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
-    _decode_gate_up_kernel[(grid0, triton.cdiv(inter, bn1))](
-        hidden, w13, act, ids, num_pairs, top_k, num_experts, hidden_size, inter,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        SCAN=scan, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, BY_SLOT=by_slot,
-        EVEN_K=hidden_size % bk1 == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=stages, **pdl_args(hidden))
+    if num_tokens == 1 and cfg.one_token_gate_up:
+        bn, bk = max(1, min(cfg.block_n1_one, _pow2(inter))), max(16, min(cfg.block_k1_one, _pow2(hidden_size)))
+        _one_token_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
+            hidden, w13, act, ids, num_experts, hidden_size, inter, w13.stride(0), w13.stride(1), act.stride(0),
+            BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden_size % bk == 0,
+            num_warps=cfg.num_warps1_one, num_stages=1 if _INTERPRET else cfg.num_stages1_one, **pdl_args(hidden))
+    else:
+        _decode_gate_up_kernel[(grid0, triton.cdiv(inter, bn1))](
+            hidden, w13, act, ids, num_pairs, top_k, num_experts, hidden_size, inter,
+            hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            SCAN=scan, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, BY_SLOT=by_slot,
+            EVEN_K=hidden_size % bk1 == 0, PRECISION=precision, UPCAST=upcast,
+            num_warps=cfg.num_warps, num_stages=stages, **pdl_args(hidden))
     out = torch.empty_like(hidden)  # [T, H]
     kp = _pow2(top_k)
     if num_tokens == 1 and cfg.one_token:
