@@ -10,7 +10,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from turnout.ops.triton import activation, attention, cache, linear, moe_decode, norm, routing, rotary
+from turnout.ops.triton import activation, attention, cache, linear, moe_decode, moe_one_token, norm, routing, rotary
 
 B, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 PDL = {"PDL": True}
@@ -63,10 +63,10 @@ def _cases():
     yield ("moe decode down", moe_decode._decode_down_kernel,
            {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": F32, "ids_ptr": I32}, dict(BLOCK_N=128, **moe),
            {"num_stages": 3})
-    yield ("moe decode one-token gate_up", moe_decode._one_token_gate_up_kernel,
+    yield ("moe decode one-token gate_up", moe_one_token.one_token_gate_up_kernel,
            {"x_ptr": B, "w13_ptr": B, "act_ptr": B, "ids_ptr": I32},
            dict(BLOCK_N=4, BLOCK_K=1024, EVEN_K=True, **PDL), {"num_stages": 3})
-    yield ("moe decode one-token down", moe_decode._one_token_down_kernel,
+    yield ("moe decode one-token down", moe_one_token.one_token_down_kernel,
            {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": B, "ids_ptr": I32},
            dict(KP=8, BLOCK_N=8, BLOCK_K=1024, EVEN_K=False, **PDL), {"num_stages": 4, "num_warps": 8})
     yield ("moe sum slots", moe_decode._sum_slots_kernel, {"pair_out_ptr": F32, "ids_ptr": I32, "out_ptr": B},

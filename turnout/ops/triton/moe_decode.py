@@ -18,7 +18,7 @@ GEMMs. Here every program finds its own rows:
    no atomics; rows of invalid ids are never written nor read), cast to hidden's dtype. All slots of a
    column tile come in one 2-D load: at batch 1 the kernel is one memory round trip.
 
-For one token (batch-1 decode) steps 2 and 3 are one kernel, ``_one_token_down_kernel``: a program owns a
+For one token (batch-1 decode) steps 2 and 3 are one kernel (turnout/ops/triton/moe_one_token.py): a program owns a
 column tile of H and streams that tile of every slot's expert (the k experts' rows, one after another in one
 pipelined loop), with the slot weight folded into the activation, so the slots are summed in registers and
 the layer needs no third kernel nor the fp32 round trip of the per-slot outputs.
@@ -37,6 +37,7 @@ import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
 from turnout.ops.triton._tuning import env_object
+from turnout.ops.triton.moe_one_token import one_token_down_kernel, one_token_gate_up_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -251,87 +252,6 @@ def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, top_k, num_experts, H, str
              mask=col_ok)
 
 
-@triton.jit
-def _one_token_gate_up_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, num_experts, H, I, stride_we, stride_wn,
-                              stride_act, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                              PDL: tl.constexpr):
-    """act[j, cols] = silu(x @ w13[e, cols].T) * (x @ w13[e, I + cols].T) for one token's slot j (e = ids[j]).
-
-    One program per (slot, BN columns): the gate and up rows stream in whole-K tiles on the CUDA cores into
-    [BN, BK] fp32 partials reduced once. A slot whose id is outside [0, E) writes nothing (nor is its row
-    read later). Duplicate ids compute the same row twice; each slot owns its own act row."""
-    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
-    j = tl.program_id(0)
-    e = tl.load(ids_ptr + j).to(tl.int64)
-    if (e < 0) | (e >= num_experts):
-        return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    cols = tl.where(col_ok, cols, 0)
-    w_gate = w13_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
-    w_up = w_gate + I * stride_wn
-    ks = tl.arange(0, BLOCK_K)
-    part_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    part_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptr + k0 + ks).to(tl.float32)[None, :]
-            wg = tl.load(w_gate + (k0 + ks)[None, :])
-            wu = tl.load(w_up + (k0 + ks)[None, :])
-        else:
-            k_ok = (k0 + ks) < H
-            a = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            wg = tl.load(w_gate + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
-            wu = tl.load(w_up + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
-        part_g += wg.to(tl.float32) * a
-        part_u += wu.to(tl.float32) * a
-    g = tl.sum(part_g, axis=1)
-    u = tl.sum(part_u, axis=1)
-    tl.store(act_ptr + j.to(tl.int64) * stride_act + cols, (g * tl.sigmoid(g) * u).to(act_ptr.dtype.element_ty),
-             mask=col_ok)
-
-
-@triton.jit
-def _one_token_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
-                           top_k, num_experts, H, I, stride_act, stride_we, stride_wn,
-                           KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           PDL: tl.constexpr):
-    """out[0, cols] = sum_j weight[j] * act[j] @ w2[ids[j], cols].T for one token, summed in registers.
-
-    The slot weight scales the activation before the products, so one [BN, BK] fp32 partial serves every
-    slot and is reduced across lanes once. Slots with an id outside [0, E) contribute nothing (their
-    activation rows were never written, so they are not read)."""
-    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < H
-    cols = tl.where(col_ok, cols, 0)
-    slots = tl.arange(0, KP)
-    ids = tl.load(ids_ptr + slots, mask=slots < top_k, other=-1).to(tl.int64)  # [KP]
-    valid = (slots < top_k) & (ids >= 0) & (ids < num_experts)
-    ids = tl.where(valid, ids, 0)
-    scale = tl.where(valid, tl.load(weights_ptr + slots, mask=slots < top_k, other=0.0), 0.0)  # [KP] fp32
-    ks = tl.arange(0, BLOCK_K)
-    n_k = tl.cdiv(I, BLOCK_K)
-    part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for it in range(0, top_k * n_k):  # (slot, K tile) in one loop, so the loads pipeline across slots
-        j = it // n_k
-        k0 = (it - j * n_k) * BLOCK_K
-        pick = slots == j
-        e = tl.sum(tl.where(pick, ids, 0), axis=0)
-        ok = (ks * 0 + tl.sum(tl.where(pick, valid.to(tl.int32), 0), axis=0)) > 0  # [BK]: the slot's id is valid
-        s = tl.sum(tl.where(pick, scale, 0.0), axis=0)
-        w_rows = w2_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-        if EVEN_K:
-            w = tl.load(w_rows + (k0 + ks)[None, :])
-            a = tl.load(act_ptr + j * stride_act + k0 + ks, mask=ok, other=0.0)
-        else:
-            k_ok = (k0 + ks) < I
-            w = tl.load(w_rows + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
-            a = tl.load(act_ptr + j * stride_act + k0 + ks, mask=ok & k_ok, other=0.0)
-        part += w.to(tl.float32) * (a.to(tl.float32) * s)[None, :]
-    tl.store(out_ptr + cols, tl.sum(part, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -373,7 +293,7 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
     if num_tokens == 1 and cfg.one_token_gate_up:
         bn, bk = max(1, min(cfg.block_n1_one, _pow2(inter))), max(16, min(cfg.block_k1_one, _pow2(hidden_size)))
-        _one_token_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
+        one_token_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
             hidden, w13, act, ids, num_experts, hidden_size, inter, w13.stride(0), w13.stride(1), act.stride(0),
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden_size % bk == 0,
             num_warps=cfg.num_warps1_one, num_stages=1 if _INTERPRET else cfg.num_stages1_one, **pdl_args(hidden))
@@ -388,7 +308,7 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     kp = _pow2(top_k)
     if num_tokens == 1 and cfg.one_token:
         bn, bk = max(1, min(cfg.block_n_one, _pow2(hidden_size))), max(16, min(cfg.block_k_one, _pow2(inter)))
-        _one_token_down_kernel[(triton.cdiv(hidden_size, bn),)](
+        one_token_down_kernel[(triton.cdiv(hidden_size, bn),)](
             act, w2, weights, out, ids, top_k, num_experts, hidden_size, inter,
             act.stride(0), w2.stride(0), w2.stride(1),
             KP=kp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=inter % bk == 0,
