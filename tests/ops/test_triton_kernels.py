@@ -106,6 +106,63 @@ def test_paged_attention_large_gqa_group_spans_head_tiles():
     _close(attention.paged_attention(*args), ref_attn.paged_attention(*args), 2e-5, 2e-5)
 
 
+def _rope_decode(kvlens, hq, hk, d, rot, neox, norm, bs, dtype, device=DEV, seed=0):
+    """rotary_paged_attention arguments for one new token per sequence: raw q/k/v as views of one fused qkv,
+    the new token's slot where the attention will read its position."""
+    g = torch.Generator().manual_seed(seed)
+    _, k_cache, v_cache, tables, seq_lens, qsl, _, max_kv, scale = _paged([1] * len(kvlens), kvlens, hq, hk, d, bs,
+                                                                          dtype, device, seed)
+    t = len(kvlens)
+    qkv = torch.randn((t, (hq + 2 * hk) * d), generator=g).to(device, dtype)
+    q, k, v = (qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d: (hq + hk) * d].view(t, hk, d),
+               qkv[:, (hq + hk) * d:].view(t, hk, d))
+    pos = torch.tensor([n - 1 for n in kvlens], device=device)
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(kvlens)],
+                         device=device)
+    qw = (torch.rand(d, generator=g) + 0.5).to(device, dtype) if norm else None
+    kw = (torch.rand(d, generator=g) + 0.5).to(device, dtype) if norm else None
+    cache = ref_rotary.make_cos_sin_cache(rot, max(kvlens) + 1).to(device)
+    return (pos, q, k, v, qw, kw, 1e-6, cache, neox, k_cache, v_cache, slots, tables, seq_lens, qsl, 1, max_kv,
+            scale)
+
+
+def _check_rope_attention(args, num_splits, atol, rtol):
+    k0, v0 = args[9].clone(), args[10].clone()
+    want = ref_attn.rotary_paged_attention(*args)
+    want_k, want_v = args[9].clone(), args[10].clone()
+    args[9].copy_(k0)
+    args[10].copy_(v0)
+    pos, q, k, v, qw, kw, eps, cache, neox, kc, vc, slots, tables, seq_lens, qsl, mq, mkv, scale = args
+    got = attention.paged_attention_impl(q, kc, vc, tables, seq_lens, qsl, mq, mkv, scale, num_splits=num_splits,
+                                         rope=(pos, k, v, qw, kw, eps, cache, neox, slots))
+    _close(got, want, atol, rtol)
+    _close(kc, want_k, atol, rtol)
+    _close(vc, want_v, atol, rtol)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+def test_rotary_paged_attention_every_split_count(splits):
+    """The new token is written by the program whose KV range holds its position, whatever the split count
+    (empty trailing splits included), before any program reads it; q/k norm, neox RoPE, GQA 4."""
+    args = _rope_decode([70, 129, 5], 8, 2, 32, 32, True, True, 16, torch.float32, seed=splits)
+    _check_rope_attention(args, splits, 2e-5, 2e-5)
+
+
+def test_rotary_paged_attention_gptj_partial_rope_and_head_tiles():
+    """Interleaved pairs on half the head, no norm, and 96 query heads on one KV head (two head tiles, which
+    both write the same new k and v)."""
+    args = _rope_decode([40, 33], 96, 1, 16, 8, False, False, 16, torch.float32, seed=7)
+    _check_rope_attention(args, None, 2e-5, 2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 4, 16])
+def test_gpu_rotary_paged_attention_qwen3_moe_shapes(splits):
+    """Qwen3-30B-A3B geometry in bf16: 32 query heads, 4 KV heads, head_dim 128, q/k norm, full neox RoPE."""
+    args = _rope_decode([200, 4096, 17, 1], 32, 4, 128, 128, True, True, 16, torch.bfloat16, device="cuda", seed=5)
+    _check_rope_attention(args, splits, 3e-2, 2e-2)
+
+
 # ---------------------------------------------------------------------------------------------- caches
 
 def test_reshape_and_cache_from_strided_qkv_views():
