@@ -99,6 +99,7 @@ def main() -> int:
     step_bytes = geo.weight_bytes_per_step(args.batch) + args.batch * args.context * geo.kv_bytes_per_token
     copy_gb_s = copy_bandwidth(runner.device)  # GB/s
     base_env = dict(os.environ)
+    from turnout.engine.model_runner import _kernel_chosen
     from turnout.layers.attention import use_rope_attention
     from turnout.layers.linear import use_fused_prenorm
 
@@ -107,8 +108,7 @@ def main() -> int:
     # rotary_paged_attention: wired at start-up only with TURNOUT_ROPE_ATTENTION=1; a setting may turn it on
     rope_wired = next((m.rope_attention for m in runner.model.modules() if getattr(m, "rope_attention", None)), None)
     rope_op = rope_wired
-    rope_res = runner.ops.resolutions.get("rotary_paged_attention")
-    if rope_op is None and rope_res is not None and rope_res.chosen not in (None, "reference.torch"):
+    if rope_op is None and _kernel_chosen(runner.ops, "rotary_paged_attention"):
         rope_op = lambda *a: runner.ops.rotary_paged_attention(*a)  # noqa: E731
     rope_default = "1" if rope_wired is not None else "0"
     first = None

@@ -17,6 +17,12 @@ from turnout.layers.sampler import SamplingBatch, sample
 ROPE_ATTENTION_ENV = "TURNOUT_ROPE_ATTENTION"  # "1": rotary_paged_attention at decode (opt-in)
 logger = logging.getLogger(__name__)
 
+
+def _kernel_chosen(ops, name: str) -> str | None:
+    """The implementation id the op table chose for ``name``, or None when it has none beyond the reference."""
+    res = ops.resolutions.get(name)
+    return res.chosen if res is not None and res.chosen not in (None, "reference.torch") else None
+
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
@@ -46,32 +52,8 @@ class ModelRunner:
             from turnout.layers.linear import use_k_major_weights
 
             use_k_major_weights(self.model)  # faster CPU GEMMs for decode-shaped batches
-        small_m = ops.resolutions.get("small_m_linear")
-        if platform.is_gpu and small_m is not None and small_m.chosen not in (None, "reference.torch"):
-            from turnout.layers.linear import use_small_m_linear
-
-            # one-row projections (batch-1 decode); looked up per call, so the layers see the op table's
-            # implementation once its first call has settled it (or fallen back)
-            use_small_m_linear(self.model, lambda x, w, b=None: ops.small_m_linear(x, w, b))
-            fused = ops.resolutions.get("add_rms_norm_linear")
-            if fused is not None and fused.chosen not in (None, "reference.torch"):
-                from turnout.layers.linear import use_fused_prenorm
-
-                # each pre-norm computed inside the one-row projection that reads it (PendingNorm), where the
-                # Triton kernel's measurements say it pays
-                when = None
-                if fused.chosen == "triton.default":
-                    from turnout.ops.triton.linear import norm_fusion_pays as when
-                use_fused_prenorm(self.model, lambda x, r, nw, eps, w, b=None: ops.add_rms_norm_linear(
-                    x, r, nw, eps, w, b), when)
-        rope_attn = ops.resolutions.get("rotary_paged_attention")
-        if (os.environ.get(ROPE_ATTENTION_ENV) == "1" and platform.is_gpu and rope_attn is not None
-                and rope_attn.chosen not in (None, "reference.torch")):
-            from turnout.layers.attention import use_rope_attention
-
-            # decode: q/k norm, RoPE and the cache write inside the attention kernel. Opt-in until measured
-            # on a GPU (docs/gpu.md); read once, here
-            use_rope_attention(self.model, lambda *args: ops.rotary_paged_attention(*args))
+        if platform.is_gpu:
+            self._use_decode_kernels(ops)
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]
@@ -80,6 +62,30 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_bytes / 2**30, self.dtype)
         self.graphs = maybe_capture(self)  # None: every step runs eagerly
+
+    def _use_decode_kernels(self, ops) -> None:
+        """Route batch-1 decode through the fused Triton ops where the op table chose a kernel for them. The
+        layers look each op up per call, so they see the implementation once its first call has settled it
+        (or fallen back)."""
+        from turnout.layers.linear import use_fused_prenorm, use_small_m_linear
+
+        if _kernel_chosen(ops, "small_m_linear"):
+            use_small_m_linear(self.model, lambda x, w, b=None: ops.small_m_linear(x, w, b))  # one-row projections
+        fused = _kernel_chosen(ops, "add_rms_norm_linear") if _kernel_chosen(ops, "small_m_linear") else None
+        if fused is not None:  # the fused kernel is the one-row projection's: only with it
+            # each pre-norm computed inside the one-row projection that reads it (PendingNorm), where the
+            # Triton kernel's measurements say it pays
+            when = None
+            if fused == "triton.default":
+                from turnout.ops.triton.linear import norm_fusion_pays as when
+            use_fused_prenorm(self.model, lambda x, r, nw, eps, w, b=None: ops.add_rms_norm_linear(
+                x, r, nw, eps, w, b), when)
+        if os.environ.get(ROPE_ATTENTION_ENV) == "1" and _kernel_chosen(ops, "rotary_paged_attention"):
+            from turnout.layers.attention import use_rope_attention
+
+            # decode: q/k norm, RoPE and the cache write inside the attention kernel. Opt-in until measured
+            # on a GPU (docs/gpu.md); read once, here
+            use_rope_attention(self.model, lambda *args: ops.rotary_paged_attention(*args))
 
     @property
     def pdl(self) -> bool:
