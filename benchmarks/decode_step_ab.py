@@ -8,8 +8,8 @@ A setting is a set of environment variables read when kernels launch, hence at c
 and the tile overrides of turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``,
 ``TURNOUT_MOE_DECODE_CONFIG``). Model switches are also accepted: ``"model:fused_prenorm": "0"`` captures
 the step with the plain pre-norm kernels instead of norms fused into the projections (``use_fused_prenorm``),
-``"model:rope_attention": "1"`` with q/k norm, RoPE and the cache write inside the attention kernel
-(``use_rope_attention``; off unless ``TURNOUT_ROPE_ATTENTION=1`` wired it at start-up).
+``"model:rope_attention": "0"`` with q/k norm, RoPE and the cache write in their own kernel instead of
+inside the attention kernel (``use_rope_attention``; on unless ``TURNOUT_ROPE_ATTENTION=0`` at start-up).
 A kernel's best tile alone is not always its best tile in the step, where it overlaps its neighbours (PDL)
 and shares L2 with them; this measures the step itself, in one process, so settings are compared on the same
 weights, GPU and clocks (the docs/benchmarks.md fourth-session tiles came from here).
@@ -105,7 +105,7 @@ def main() -> int:
 
     fused_layer = next((m for m in runner.model.modules() if getattr(m, "prenorm_linear", None)), None)
     fused_op, fused_when = (fused_layer.prenorm_linear, fused_layer.prenorm_when) if fused_layer else (None, None)
-    # rotary_paged_attention: wired at start-up only with TURNOUT_ROPE_ATTENTION=1; a setting may turn it on
+    # rotary_paged_attention: wired at start-up unless TURNOUT_ROPE_ATTENTION=0; a setting may turn it on or off
     rope_wired = next((m.rope_attention for m in runner.model.modules() if getattr(m, "rope_attention", None)), None)
     rope_op = rope_wired
     if rope_op is None and _kernel_chosen(runner.ops, "rotary_paged_attention"):

@@ -10,7 +10,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from turnout.ops.triton import activation, attention, cache, linear, moe_decode, moe_one_token, norm, routing, rotary
+from turnout.ops.triton import (activation, attention, cache, linear, moe_decode, moe_one_token, norm, routing, rotary,
+                                sampling)
 
 B, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 PDL = {"PDL": True}
@@ -63,12 +64,16 @@ def _cases():
     yield ("moe decode down", moe_decode._decode_down_kernel,
            {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": F32, "ids_ptr": I32}, dict(BLOCK_N=128, **moe),
            {"num_stages": 3})
-    yield ("moe decode one-token gate_up", moe_one_token.one_token_gate_up_kernel,
-           {"x_ptr": B, "w13_ptr": B, "act_ptr": B, "ids_ptr": I32},
-           dict(BLOCK_N=4, BLOCK_K=1024, EVEN_K=True, **PDL), {"num_stages": 3})
     yield ("moe decode one-token down", moe_one_token.one_token_down_kernel,
            {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": B, "ids_ptr": I32},
            dict(KP=8, BLOCK_N=8, BLOCK_K=1024, EVEN_K=False, **PDL), {"num_stages": 4, "num_warps": 8})
+    # sampling runs after the graph, without PDL (no wait expected)
+    yield ("sample row stats", sampling._row_stats_kernel,
+           {"LOGITS": F32, "PART_MAX": F32, "PART_ID": I32, "PART_MIN": F32}, dict(CHUNK=4096), {"num_warps": 8})
+    yield ("sample", sampling._sample_kernel,
+           {"LOGITS": F32, "TEMP": F32, "TOP_K": I32, "TOP_P": F32, "MIN_P": F32, "SEEDS": I64, "STEPS": I64,
+            "OUT": I64, "PART_MAX": F32, "PART_ID": I32, "PART_MIN": F32}, dict(NC_PAD=64, BLOCK=4096),
+           {"num_warps": 8})
     yield ("moe sum slots", moe_decode._sum_slots_kernel, {"pair_out_ptr": F32, "ids_ptr": I32, "out_ptr": B},
            dict(KP=8, BLOCK_H=512, **PDL), {})
 
@@ -83,7 +88,8 @@ def main() -> int:
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts), target=target,
                                       options={"num_warps": 4, "launch_pdl": True, **opts})
             ptx = compiled.asm["ptx"]
-            row.update(ok=True, sm90=".target sm_90" in ptx, waits="griddepcontrol.wait" in ptx)
+            row.update(ok=True, sm90=".target sm_90" in ptx, waits="griddepcontrol.wait" in ptx,
+                       pdl=bool(consts.get("PDL")))
         except Exception as e:  # noqa: BLE001 - reported per kernel
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
         print(json.dumps(row), flush=True)

@@ -100,6 +100,20 @@ def test_split_count_fixed_for_a_graph_serves_short_and_long_contexts():
     _close(attention.paged_attention_impl(*args, num_splits=16), want, 2e-5, 2e-5)
 
 
+def test_split_count_from_the_tuning_env(monkeypatch):
+    """TURNOUT_ATTN_DECODE fixes the decode split count (decode_step_ab.py compares counts in a captured step);
+    a bad value is a ValueError naming the variable."""
+    args = list(_paged([1, 1, 1], [5, 70, 1100], 8, 2, 32, 16, torch.float32, seed=4))
+    want = ref_attn.paged_attention(*args)
+    args[-2] = 4096
+    for splits in (1, 3, 16):
+        monkeypatch.setenv(attention.TUNING_ENV, f'{{"num_splits": {splits}}}')
+        _close(attention.paged_attention(*args), want, 2e-5, 2e-5)
+    monkeypatch.setenv(attention.TUNING_ENV, '{"num_splits": 0}')
+    with pytest.raises(ValueError, match="TURNOUT_ATTN_DECODE"):
+        attention.paged_attention(*args)
+
+
 def test_paged_attention_large_gqa_group_spans_head_tiles():
     # 96 query heads on one KV head: more than one head tile per KV head in decode.
     args = _paged([1, 2], [40, 33], 96, 1, 16, 16, torch.float32, seed=3)

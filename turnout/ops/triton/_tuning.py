@@ -8,7 +8,9 @@ code. Unset, the built-in choices apply. They are read when a kernel is launched
 * ``TURNOUT_SMALL_M_TILES``: ``{"N,K": [block_n, block_k, num_warps, num_stages], ...}`` for the one-row
   path of ``small_m_linear`` (turnout/ops/triton/linear.py);
 * ``TURNOUT_MOE_DECODE_CONFIG``: ``{"field": value, ...}``, fields of ``DecodeConfig``
-  (turnout/ops/triton/moe_decode.py).
+  (turnout/ops/triton/moe_decode.py);
+* ``TURNOUT_ATTN_DECODE``: ``{"num_splits": n}`` fixes the decode attention's split count
+  (turnout/ops/triton/attention.py; 1: never split).
 """
 
 from __future__ import annotations

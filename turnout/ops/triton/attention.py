@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
+from turnout.ops.triton._tuning import env_object
 
 LOG2E = 1.4426950408889634
 
@@ -31,6 +32,7 @@ _SPLIT_MAX_Q = 1
 _MAX_SPLITS = 64
 # Aim for this many programs per SM when splitting; with one program per SM already, do not split.
 _PROGRAMS_PER_SM = 2
+TUNING_ENV = "TURNOUT_ATTN_DECODE"  # {"num_splits": n} (turnout/ops/triton/_tuning.py)
 
 
 @triton.jit
@@ -256,6 +258,10 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     group = hq // hk
     cfg = _tiles(max_query_len, group, head_dim)
     num_head_tiles = triton.cdiv(group, cfg["G_TILE"])
+    if num_splits is None and max_query_len <= _SPLIT_MAX_Q:
+        num_splits = env_object(TUNING_ENV).get("num_splits")
+        if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+            raise ValueError(f"{TUNING_ENV}: num_splits must be a positive integer, got {num_splits!r}")
     if num_splits is None:
         num_splits = choose_num_splits(batch, hk * num_head_tiles, max_query_len, max_seq_len,
                                        _num_sms(query.device.type, query.device.index), cfg["BLOCK_N"])

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
 from turnout.ops.triton._tuning import env_object
-from turnout.ops.triton.moe_one_token import one_token_down_kernel, one_token_gate_up_kernel
+from turnout.ops.triton.moe_one_token import one_token_down_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -71,13 +71,6 @@ class DecodeConfig:
     block_k_one: int = 1024
     num_warps_one: int = 8
     num_stages_one: int = 4
-    # one token: 1 runs gate/up on the CUDA cores, one program per (slot, BN columns of I) streaming whole-K
-    # tiles; 0 the tl.dot kernel above (one program per distinct expert)
-    one_token_gate_up: int = 0
-    block_n1_one: int = 4
-    block_k1_one: int = 1024
-    num_warps1_one: int = 4
-    num_stages1_one: int = 3
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -95,7 +88,7 @@ def _env_config() -> DecodeConfig:
     for name, value in fields.items():
         optional = name in ("num_warps2", "num_stages2")
         is_int = isinstance(value, int) and not isinstance(value, bool)
-        if name in ("one_token", "one_token_gate_up"):
+        if name == "one_token":
             if not (is_int and value in (0, 1)):
                 raise ValueError(f"{CONFIG_ENV}: {name} must be 0 or 1, got {value!r}")
             continue
@@ -291,19 +284,12 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     bn2, bk2 = _fit(bn2, hidden_size), _fit(bk2, inter)
 
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
-    if num_tokens == 1 and cfg.one_token_gate_up:
-        bn, bk = max(1, min(cfg.block_n1_one, _pow2(inter))), max(16, min(cfg.block_k1_one, _pow2(hidden_size)))
-        one_token_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
-            hidden, w13, act, ids, num_experts, hidden_size, inter, w13.stride(0), w13.stride(1), act.stride(0),
-            BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden_size % bk == 0,
-            num_warps=cfg.num_warps1_one, num_stages=1 if _INTERPRET else cfg.num_stages1_one, **pdl_args(hidden))
-    else:
-        _decode_gate_up_kernel[(grid0, triton.cdiv(inter, bn1))](
-            hidden, w13, act, ids, num_pairs, top_k, num_experts, hidden_size, inter,
-            hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            SCAN=scan, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, BY_SLOT=by_slot,
-            EVEN_K=hidden_size % bk1 == 0, PRECISION=precision, UPCAST=upcast,
-            num_warps=cfg.num_warps, num_stages=stages, **pdl_args(hidden))
+    _decode_gate_up_kernel[(grid0, triton.cdiv(inter, bn1))](
+        hidden, w13, act, ids, num_pairs, top_k, num_experts, hidden_size, inter,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        SCAN=scan, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, BY_SLOT=by_slot,
+        EVEN_K=hidden_size % bk1 == 0, PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=stages, **pdl_args(hidden))
     out = torch.empty_like(hidden)  # [T, H]
     kp = _pow2(top_k)
     if num_tokens == 1 and cfg.one_token:

@@ -1,13 +1,13 @@
-"""moe_experts kernels for exactly one token (batch-1 decode), on the CUDA cores.
+"""The moe_experts down kernel for exactly one token (batch-1 decode), on the CUDA cores.
 
-One token reads each of its k experts' weights once, and there is nothing to share between slots, so these
-kernels drop the expert ownership scan and the padded ``tl.dot`` of turnout/ops/triton/moe_decode.py:
+One token reads each of its k experts' weights once, and there is nothing to share between slots, so this
+kernel drops the expert ownership scan and the padded ``tl.dot`` of turnout/ops/triton/moe_decode.py:
+``one_token_down_kernel``, one program per BN columns of H, streams those rows of all k experts in one
+pipelined loop, with the slot weight folded into the activation, so the slots are summed in registers
+and no sum kernel is needed (the default for one token: docs/benchmarks.md, fifth session).
 
-* ``one_token_gate_up_kernel``: one program per (slot, BN columns of I), whole-K tiles of the gate and up
-  rows multiplied on the CUDA cores (off by default: not yet measured on a GPU, ``DecodeConfig``);
-* ``one_token_down_kernel``: one program per BN columns of H streams those rows of all k experts in one
-  pipelined loop, with the slot weight folded into the activation, so the slots are summed in registers
-  and no sum kernel is needed (the default for one token: docs/benchmarks.md, fifth session).
+A gate/up counterpart (one program per slot and BN columns of I, whole-K tiles on the CUDA cores) lost to
+the ``tl.dot`` gate/up kernel in the captured step, 2.672 against 2.604 ms (sixth session), and was removed.
 
 ``moe_experts_decode`` launches them; the routing is consumed as given (seed 001).
 """
@@ -16,46 +16,6 @@ import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_wait
-
-
-@triton.jit
-def one_token_gate_up_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, num_experts, H, I, stride_we, stride_wn,
-                              stride_act, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                              PDL: tl.constexpr):
-    """act[j, cols] = silu(x @ w13[e, cols].T) * (x @ w13[e, I + cols].T) for one token's slot j (e = ids[j]).
-
-    One program per (slot, BN columns): the gate and up rows stream in whole-K tiles on the CUDA cores into
-    [BN, BK] fp32 partials reduced once. A slot whose id is outside [0, E) writes nothing (nor is its row
-    read later). Duplicate ids compute the same row twice; each slot owns its own act row."""
-    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
-    j = tl.program_id(0)
-    e = tl.load(ids_ptr + j).to(tl.int64)
-    if (e < 0) | (e >= num_experts):
-        return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    cols = tl.where(col_ok, cols, 0)
-    w_gate = w13_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
-    w_up = w_gate + I * stride_wn
-    ks = tl.arange(0, BLOCK_K)
-    part_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    part_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptr + k0 + ks).to(tl.float32)[None, :]
-            wg = tl.load(w_gate + (k0 + ks)[None, :])
-            wu = tl.load(w_up + (k0 + ks)[None, :])
-        else:
-            k_ok = (k0 + ks) < H
-            a = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            wg = tl.load(w_gate + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
-            wu = tl.load(w_up + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
-        part_g += wg.to(tl.float32) * a
-        part_u += wu.to(tl.float32) * a
-    g = tl.sum(part_g, axis=1)
-    u = tl.sum(part_u, axis=1)
-    tl.store(act_ptr + j.to(tl.int64) * stride_act + cols, (g * tl.sigmoid(g) * u).to(act_ptr.dtype.element_ty),
-             mask=col_ok)
 
 
 @triton.jit
