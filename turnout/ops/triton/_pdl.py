@@ -4,11 +4,7 @@ A batch-1 decode step is a chain of ~500 small kernels, and each pays a fixed co
 first loads in flight) that no kernel tuning removes. Launched with PDL, a kernel may start while the one
 before it in the stream is still running. Every kernel that takes part follows one protocol:
 
-1. before ``pdl_wait`` it reads only memory that no kernel still running may write: constants (weights),
-   the step's inputs and the KV cache of earlier positions (written before the chain started), and the
-   output of the kernel two places back in the chain (the kernel in between triggered this launch only after
-   its own wait, i.e. after that one completed: rule 3). Never the previous kernel's output, and it writes
-   nothing;
+1. before ``pdl_wait`` it reads only constants (weights), never an activation, input or output buffer;
 2. every program calls ``pdl_wait`` (``gdc_wait``: returns once the previous kernel has completed and its
    writes are visible), including programs that exit early, before touching any other memory. So a
    kernel never completes before the one it follows, and completion order stays the stream order,

@@ -74,42 +74,6 @@ def _norm_rope_rows(rows, ok, offs_d, partner, sign, rot, cos, sin, W, eps, HEAD
 
 
 @triton.jit
-def _kv_tile(bt_row, k_head, v_head, start, kv_hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
-             BLOCK_N: tl.constexpr, BS: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr):
-    """K [D_PAD, BLOCK_N] and V [BLOCK_N, D_PAD] of cached positions start .. start + BLOCK_N (zeros at and
-    beyond kv_hi), through the block table."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < kv_hi
-    page = tl.load(bt_row + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
-    slot = offs_n % BS
-    if HEAD_D == D_PAD:  # no mask across the head dim: keeps the loads vectorised
-        k_mask = n_ok[None, :]
-        v_mask = n_ok[:, None]
-    else:
-        k_mask = n_ok[None, :] & d_ok[:, None]
-        v_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_head + (page * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
-    v = tl.load(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q, k, v, start, kv_hi, qpos, qk_scale, m_i, l_i, acc, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """One online-softmax step over the KV tile at positions start .. start + BLOCK_N (causal, < kv_hi)."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
-    s = tl.where((offs_n < kv_hi)[None, :] & (offs_n[None, :] <= qpos[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at 0
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _paged_attn_kernel(
         Q, K, V, O, BT, SEQ_LENS, QSL, WS_O, WS_LSE,
         qk_scale, num_splits,
@@ -122,33 +86,14 @@ def _paged_attn_kernel(
         HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
     """With ROPE (decode, one new token per sequence): Q, KN and VN are the raw q, k and v of the new tokens;
     each program normalises and rotates its q rows itself, and the program whose KV range holds the new
-    position also normalises, rotates and writes the new k and v into the cache before reading it. Its first
-    KV tile is loaded before the PDL wait, with the new position patched in from registers."""
+    position also normalises, rotates and writes the new k and v into the cache before reading it."""
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
     pid2 = tl.program_id(2)
     split = pid2 % num_splits
     kvh = pid2 // num_splits // NUM_HEAD_TILES
     head_tile = pid2 // num_splits % NUM_HEAD_TILES
-    bt_row = BT + b.to(tl.int64) * stride_bt
-    k_head = K + kvh.to(tl.int64) * stride_kh
-    v_head = V + kvh.to(tl.int64) * stride_vh
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_D
-    if ROPE:
-        # Before the PDL wait: the step's inputs and the cache of earlier positions are no kernel's output in
-        # this step (the new token's k and v are written below, by this kernel), so this split's first KV
-        # tile is loaded while the qkv projection finishes (turnout/ops/triton/_pdl.py, rule 1).
-        kv_len = tl.load(SEQ_LENS + b)
-        kv_lo = 0
-        kv_hi = kv_len
-        if SPLIT:
-            chunk = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
-            kv_lo = split * chunk
-            kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
-        k_pre, v_pre = _kv_tile(bt_row, k_head, v_head, kv_lo, kv_hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
-                                stride_vs, BLOCK_N, BS, HEAD_D, D_PAD)
-    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
 
     q_start = tl.load(QSL + b)
     q_len = tl.load(QSL + b + 1) - q_start
@@ -161,6 +106,8 @@ def _paged_attn_kernel(
         head = kvh * G + hh
         qpos = kv_len - q_len + tok  # absolute position: attends to keys 0..qpos
         q_row = (q_start + tok).to(tl.int64)
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < HEAD_D
         q_ptrs = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
         if ROPE:  # one new token (BLOCK_Q == 1): its position and rotation serve q and the new k
             partner, ci, sign, rot = _rope_layout(offs_d, ROT, HALF, IS_NEOX)
@@ -180,38 +127,50 @@ def _paged_attn_kernel(
             chunk = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
             kv_lo = split * chunk
             kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        loop_lo = kv_lo
         if ROPE:  # the program that reads the new position writes it (its head tiles write the same bytes)
-            new_pos = kv_len - 1
             new_slot = tl.load(SLOTS + q_start).to(tl.int64)
-            if (new_slot >= 0) & (new_pos >= kv_lo) & (new_pos < kv_hi):
+            if (new_slot >= 0) & (kv_len - 1 >= kv_lo) & (kv_len - 1 < kv_hi):
                 one = tl.full([1, 1], 1, tl.int1)
                 k_new = _norm_rope_rows(KN + q_start.to(tl.int64) * stride_knt + kvh * stride_knh + tl.zeros(
                     [1, 1], tl.int64), one, offs_d, partner, sign, rot, cos, sin, KW, eps, HEAD_D, HAS_NORM)
                 v_new = tl.load(VN + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d, mask=d_ok)
-                k_new = k_new.to(K.dtype.element_ty)  # [1, D_PAD]
-                v_new = v_new.to(V.dtype.element_ty)
                 blk, off = new_slot // BS, new_slot % BS
-                tl.store(K + blk * stride_kb + off * stride_ks + kvh * stride_kh + offs_d[None, :], k_new,
-                         mask=d_ok[None, :])
-                tl.store(V + blk * stride_vb + off * stride_vs + kvh * stride_vh + offs_d, v_new, mask=d_ok)
-                # the preloaded tile holds the cache from before this write: patch the new column in
-                is_new = (kv_lo + tl.arange(0, BLOCK_N)) == new_pos
-                k_pre = tl.where(is_new[None, :], tl.trans(k_new), k_pre)
-                v_pre = tl.where(is_new[:, None], v_new[None, :], v_pre)
+                tl.store(K + blk * stride_kb + off * stride_ks + kvh * stride_kh + offs_d[None, :],
+                         k_new.to(K.dtype.element_ty), mask=d_ok[None, :])
+                tl.store(V + blk * stride_vb + off * stride_vs + kvh * stride_vh + offs_d,
+                         v_new.to(V.dtype.element_ty), mask=d_ok)
             tl.debug_barrier()  # the block's own cache writes are visible to all its threads before the loop
-            if kv_lo < kv_hi:  # the preloaded first tile, then the rest from kv_lo + BLOCK_N
-                m_i, l_i, acc = _attend_tile(q, k_pre, v_pre, kv_lo, kv_hi, qpos, qk_scale, m_i, l_i, acc, BLOCK_N,
-                                             PRECISION)
-            loop_lo = kv_lo + BLOCK_N
 
-        for start in range(loop_lo, kv_hi, BLOCK_N):
-            k, v = _kv_tile(bt_row, k_head, v_head, start, kv_hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
-                            stride_vs, BLOCK_N, BS, HEAD_D, D_PAD)
-            m_i, l_i, acc = _attend_tile(q, k, v, start, kv_hi, qpos, qk_scale, m_i, l_i, acc, BLOCK_N, PRECISION)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        bt_row = BT + b.to(tl.int64) * stride_bt
+        k_head = K + kvh.to(tl.int64) * stride_kh
+        v_head = V + kvh.to(tl.int64) * stride_vh
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < kv_hi
+            page = tl.load(bt_row + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
+            slot = offs_n % BS
+            if HEAD_D == D_PAD:  # no mask across the head dim: keeps the loads vectorised
+                k_mask = n_ok[None, :]
+                v_mask = n_ok[:, None]
+            else:
+                k_mask = n_ok[None, :] & d_ok[:, None]
+                v_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_head + (page * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None],
+                        mask=k_mask, other=0.0)  # [D_PAD, BLOCK_N]
+            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
+            s = tl.where(n_ok[None, :] & (offs_n[None, :] <= qpos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at 0
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                        mask=v_mask, other=0.0)  # [BLOCK_N, D_PAD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            m_i = m_new
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]

@@ -19,29 +19,6 @@ from turnout.ops.triton._pdl import pdl_wait
 
 
 @triton.jit
-def _slot_tile(w2_ptr, act_ptr, ids, valid, scale, slots, cols, ks, it, n_k, I, stride_we, stride_wn, stride_act,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Iteration ``it`` of the (slot, K tile) loop: the weight tile (loaded), and the slot's activation
-    pointers, mask and weight (the activation is loaded by the caller: after the PDL wait)."""
-    j = it // n_k
-    k0 = (it - j * n_k) * BLOCK_K
-    pick = slots == j
-    e = tl.sum(tl.where(pick, ids, 0), axis=0)
-    ok = (ks * 0 + tl.sum(tl.where(pick, valid.to(tl.int32), 0), axis=0)) > 0  # [BK]: the slot's id is valid
-    s = tl.sum(tl.where(pick, scale, 0.0), axis=0)
-    w_ptrs = w2_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :]
-    a_ptrs = act_ptr + j * stride_act + k0 + ks
-    if EVEN_K:
-        w = tl.load(w_ptrs)
-        a_mask = ok
-    else:
-        k_ok = (k0 + ks) < I
-        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        a_mask = ok & k_ok
-    return w, a_ptrs, a_mask, s
-
-
-@triton.jit
 def one_token_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
                            top_k, num_experts, H, I, stride_act, stride_we, stride_wn,
                            KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -50,11 +27,8 @@ def one_token_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
 
     The slot weight scales the activation before the products, so one [BN, BK] fp32 partial serves every
     slot and is reduced across lanes once. Slots with an id outside [0, E) contribute nothing (their
-    activation rows were never written, so they are not read).
-
-    Before the PDL wait the program reads the routing (written by select_experts, two kernels back: the
-    gate/up kernel between started only after it completed, turnout/ops/triton/_pdl.py rule 1) and its first
-    weight tile, so they stream while gate/up finishes; the activations only after the wait."""
+    activation rows were never written, so they are not read)."""
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     cols = tl.where(col_ok, cols, 0)
@@ -65,14 +39,21 @@ def one_token_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
     scale = tl.where(valid, tl.load(weights_ptr + slots, mask=slots < top_k, other=0.0), 0.0)  # [KP] fp32
     ks = tl.arange(0, BLOCK_K)
     n_k = tl.cdiv(I, BLOCK_K)
-    w, a_ptrs, a_mask, s = _slot_tile(w2_ptr, act_ptr, ids, valid, scale, slots, cols, ks, 0, n_k, I, stride_we,
-                                      stride_wn, stride_act, BLOCK_K, EVEN_K)
-    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
-    a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-    part = w.to(tl.float32) * (a.to(tl.float32) * s)[None, :]
-    for it in range(1, top_k * n_k):  # (slot, K tile) in one loop, so the loads pipeline across slots
-        w, a_ptrs, a_mask, s = _slot_tile(w2_ptr, act_ptr, ids, valid, scale, slots, cols, ks, it, n_k, I,
-                                          stride_we, stride_wn, stride_act, BLOCK_K, EVEN_K)
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for it in range(0, top_k * n_k):  # (slot, K tile) in one loop, so the loads pipeline across slots
+        j = it // n_k
+        k0 = (it - j * n_k) * BLOCK_K
+        pick = slots == j
+        e = tl.sum(tl.where(pick, ids, 0), axis=0)
+        ok = (ks * 0 + tl.sum(tl.where(pick, valid.to(tl.int32), 0), axis=0)) > 0  # [BK]: the slot's id is valid
+        s = tl.sum(tl.where(pick, scale, 0.0), axis=0)
+        w_rows = w2_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        if EVEN_K:
+            w = tl.load(w_rows + (k0 + ks)[None, :])
+            a = tl.load(act_ptr + j * stride_act + k0 + ks, mask=ok, other=0.0)
+        else:
+            k_ok = (k0 + ks) < I
+            w = tl.load(w_rows + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
+            a = tl.load(act_ptr + j * stride_act + k0 + ks, mask=ok & k_ok, other=0.0)
         part += w.to(tl.float32) * (a.to(tl.float32) * s)[None, :]
     tl.store(out_ptr + cols, tl.sum(part, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
