@@ -78,3 +78,21 @@ def test_tiny_hf_llama_on_gpu_matches_hf_greedy(tmp_path):
         chosen = logits.gather(1, torch.tensor(toks, device="cuda")[:, None])[:, 0]
         gap = (logits.max(-1).values - chosen).abs()
         assert gap.max().item() <= 1e-5 * logits.abs().max().item(), gap
+
+
+def test_graph_batches_shrinking_and_growing_match_eager_fp32():
+    """Sequences of different lengths leave the graph batch one by one (4 -> 1 lanes: the rows they leave are
+    re-padded), and a second round grows it again: the same greedy tokens as eager mode."""
+    cfg = os.path.join(CONFIGS, "qwen3-0.6b")
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 20, 41, 64)]
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(cfg, enforce_eager=eager, **_KW_FP32)
+        outs[eager] = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
+        if not eager:
+            assert llm.engine.runner.graphs.stats()["replays"] > 100
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]
+    assert [len(t) for t in outs[False][0]] == [8, 20, 41, 64]

@@ -361,3 +361,19 @@ def test_gpu_sample_matches_reference_full_vocab():
     got, want = sampling.sample(*args), ref_sampling.sample(*args)
     mismatches = (got != want).sum().item()
     assert mismatches == 0, f"{mismatches} of {b} rows differ"
+
+
+@pytest.mark.parametrize("e,k", [(8, 2), (60, 4), (128, 8), (160, 8)])
+def test_select_experts_ties_take_the_lower_id(e, k):
+    """Logits on a coarse grid (many exact ties, also at the k-th place): the kernel's argmax rounds give the
+    reference's ids and weights, which are a stable descending sort's."""
+    from turnout.ops.reference import routing as ref_routing
+    from turnout.ops.triton import routing
+
+    g = torch.Generator().manual_seed(e)
+    logits = (torch.randint(0, 4, (7, e), generator=g).float() / 2).to(DEV)
+    args = (logits, k, "softmax", False, 1, 1, True, 1.0, None, None)
+    want_w, want_ids = ref_routing.select_experts(*args)
+    w, ids = routing.select_experts(*args)
+    assert torch.equal(ids.long(), want_ids.long())
+    _close(w, want_w, 1e-6, 1e-6)
