@@ -101,7 +101,7 @@ step pytest_gpu ${PYTEST_CAP:-150} "$PY" -m pytest -q -m gpu tests/ --maxfail=5 
   ${PT_TIMEOUT[@]+"${PT_TIMEOUT[@]}"} --junitxml="$OUT/pytest_gpu.xml"
 
 # 2. Conformance suite on CUDA (JSON on stdout).
-step ops_check 70 bash -c "exec \"$PY\" -m turnout.entrypoints.cli ops --check --json >\"$OUT/ops_check.json\""
+step ops_check 150 bash -c "exec \"$PY\" -m turnout.entrypoints.cli ops --check --json >\"$OUT/ops_check.json\""
 
 # 3. Kernel micro-benchmarks (another engineer's script; skipped when absent).
 if [[ -f benchmarks/kernels.py ]]; then

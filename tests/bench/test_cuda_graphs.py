@@ -197,11 +197,14 @@ def test_cuda_graphs_capture_and_match_eager(tmp_path):
 @pytest.mark.gpu
 def test_cuda_graphs_capture_failure_falls_back_to_eager(tmp_path, caplog):
     """The reference paged_attention reads lengths with .tolist() (a host sync): capture must fail, say
-    why once, and leave an engine that decodes eagerly with the same tokens as --enforce-eager."""
+    why once, and leave an engine that decodes eagerly with the same tokens as --enforce-eager. (Decode
+    attention goes through rotary_paged_attention when a kernel serves it: the reference is chosen for it
+    too, so the step reaches the reference paged_attention.)"""
     import logging
 
     kw = dict(load_format="dummy", dtype="float32", device="auto", max_model_len=64, max_num_seqs=4,
-              kv_cache_memory=1 << 24, enable_prefix_caching=False, ops_policy="paged_attention=reference.torch")
+              kv_cache_memory=1 << 24, enable_prefix_caching=False,
+              ops_policy="paged_attention=reference.torch;rotary_paged_attention=reference.torch")
     with caplog.at_level(logging.WARNING, logger="turnout.engine.cuda_graphs"):
         llm = _llm(_tiny_dir(tmp_path), **kw)
     graphs = llm.engine.runner.graphs
