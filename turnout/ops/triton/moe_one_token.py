@@ -9,7 +9,7 @@ and no sum kernel is needed (the default for one token: docs/benchmarks.md, fift
 A gate/up counterpart (one program per slot and BN columns of I, whole-K tiles on the CUDA cores) lost to
 the ``tl.dot`` gate/up kernel in the captured step, 2.672 against 2.604 ms (sixth session), and was removed.
 
-``moe_experts_decode`` launches them; the routing is consumed as given (seed 001).
+``moe_experts_decode`` launches it; the routing is consumed as given (seed 001).
 """
 
 import triton
