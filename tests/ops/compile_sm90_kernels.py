@@ -60,7 +60,7 @@ def _cases():
                 **PDL), {"num_warps": 1})
     moe = dict(SCAN=16, BLOCK_M=16, BLOCK_K=128, BY_SLOT=True, EVEN_K=True, PRECISION=None, UPCAST=False, **PDL)
     yield ("moe decode gate_up", moe_decode._decode_gate_up_kernel,
-           {"x_ptr": B, "w13_ptr": B, "act_ptr": B, "ids_ptr": I32}, dict(BLOCK_N=32, **moe), {"num_stages": 4})
+           {"x_ptr": B, "w13_ptr": B, "act_ptr": B, "ids_ptr": I32}, dict(BLOCK_N=64, **moe), {"num_stages": 4})
     yield ("moe decode down", moe_decode._decode_down_kernel,
            {"act_ptr": B, "w2_ptr": B, "weights_ptr": F32, "out_ptr": F32, "ids_ptr": I32}, dict(BLOCK_N=128, **moe),
            {"num_stages": 3})

@@ -50,7 +50,10 @@ DECODE_MIN_PAIRS = 128
 @dataclass(frozen=True)
 class DecodeConfig:
     block_m: int = 16
-    block_n1: int = 32  # gate/up: columns of I per program (two weight tiles: gate and up rows)
+    # gate/up: columns of I per program (two weight tiles: gate and up rows). 64 beat 32 in the captured
+    # Qwen3-30B-A3B step on the H200 at batch 1 (-0.8 %) and batch 64 (-0.7 %); 16 and 128 lost
+    # (docs/benchmarks.md, sixth session)
+    block_n1: int = 64
     block_k1: int = 128  # over H
     # down: columns of H per program and the step over I. Tuned in Qwen3-30B-A3B decode steps on the H200
     # (docs/benchmarks.md): 64 x 256 when a program serves one slot (T*k < E, batch 1), 128 x 128 when
@@ -61,6 +64,7 @@ class DecodeConfig:
     block_k2_many: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    num_stages_many: int = 3  # gate/up when every expert has a program (batch 64: -2.1 %; batch 1 keeps 4)
     num_warps2: int | None = None  # down kernel (None: as gate/up)
     num_stages2: int | None = 3
     # one token: 1 runs the down kernel that also sums the slots, 0 the per-slot kernel and the sum kernel.
@@ -278,7 +282,7 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     scan = max(16, min(128, _pow2(num_pairs)))
     precision = "ieee" if hidden.dtype == torch.float32 else None  # fp32 must not become tf32
     upcast = _INTERPRET and hidden.dtype == torch.bfloat16  # the interpreter's bf16 dot is unreliable
-    stages = 1 if _INTERPRET else cfg.num_stages
+    stages = 1 if _INTERPRET else cfg.num_stages if by_slot else cfg.num_stages_many
     bn1, bk1 = _fit(cfg.block_n1, inter), _fit(cfg.block_k1, hidden_size)
     bn2, bk2 = (cfg.block_n2, cfg.block_k2) if by_slot else (cfg.block_n2_many, cfg.block_k2_many)
     bn2, bk2 = _fit(bn2, hidden_size), _fit(bk2, inter)
