@@ -187,6 +187,12 @@ def test_dense_layers_where_the_config_says():
     assert [is_moe_layer(cfgs["mixtral"], i) for i in range(2)] == [True, True]
 
 
+def _rel_err(logits, truth):
+    """Relative L2 distance of logits from the float32 reference logits."""
+    truth = truth.float()
+    return ((logits.float() - truth).norm() / truth.norm()).item()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
 def test_logits_match_transformers_bf16_gpu(name, tmp_path):
@@ -195,9 +201,7 @@ def test_logits_match_transformers_bf16_gpu(name, tmp_path):
     must be about as close to it as HF's own bf16 run (or within 3e-2)."""
     ours, theirs, _ = _run_both(name, tmp_path / "bf16", "cuda", torch.bfloat16)
     _, truth, _ = _run_both(name, tmp_path / "fp32", "cuda", torch.float32)
-    truth = truth.float()
-    rel_ours = ((ours.float() - truth).norm() / truth.norm()).item()
-    rel_hf = ((theirs.float() - truth).norm() / truth.norm()).item()
+    rel_ours, rel_hf = _rel_err(ours, truth), _rel_err(theirs, truth)
     assert rel_ours <= max(3e-2, 1.5 * rel_hf), f"{name}: ours {rel_ours:.3g} vs HF bf16 {rel_hf:.3g} (from fp32)"
 
 
@@ -214,9 +218,7 @@ def test_decode_fused_kernels_bf16_gpu(name, tmp_path):
                             rope_attention=rotary_paged_attention)
     plain, _, _ = _run_both(name, tmp_path / "plain", "cuda", torch.bfloat16)
     _, truth, _ = _run_both(name, tmp_path / "fp32", "cuda", torch.float32)
-    truth = truth.float()
-    rel_fused = ((fused.float() - truth).norm() / truth.norm()).item()
-    rel_plain = ((plain.float() - truth).norm() / truth.norm()).item()
+    rel_fused, rel_plain = _rel_err(fused, truth), _rel_err(plain, truth)
     assert rel_fused <= max(3e-2, 1.5 * rel_plain), f"{name}: fused {rel_fused:.3g} vs plain {rel_plain:.3g}"
 
 
