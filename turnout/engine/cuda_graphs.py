@@ -104,10 +104,12 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> None:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
-        logits = self.model.compute_logits(hidden)  # [b, V]
         if self.logits is None:  # the largest bucket's eager warm-up, before any capture
+            logits = self.model.compute_logits(hidden)  # [b, V]
             self.logits = torch.empty((self.buckets[-1], logits.shape[-1]), dtype=logits.dtype, device=logits.device)
-        self.logits[:b].copy_(logits)
+            self.logits[:b].copy_(logits)
+        else:  # straight into the shared buffer: one kernel casts and stores
+            self.model.compute_logits(hidden, out=self.logits[:b])
 
     # ---- capture ---------------------------------------------------------------------------
     @torch.inference_mode()

@@ -45,6 +45,12 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.max_model_len = config.max_model_len or loaded.max_model_len
         self.pin_memory = self.device.type == "cuda"  # host tensors pinned: their H2D copies are async
+        # Side streams for the copies that need not wait in line: the sampling inputs go up while the
+        # forward runs (_upload), the sampled tokens come down while the next step starts (_download).
+        # Two streams: an upload queued behind a download would wait for that step's sampler.
+        cuda = self.device.type == "cuda"
+        self._upload = torch.cuda.Stream(self.device) if cuda else None
+        self._download = torch.cuda.Stream(self.device) if cuda else None
         self.block_size = config.block_size
         self.vocab_size = self.hf_config.vocab_size
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(self.hf_config)
@@ -256,24 +262,40 @@ class ModelRunner:
             if len(sample_idx) != hidden.shape[0]:  # sample_idx is increasing: equal lengths = every row
                 hidden = hidden.index_select(0, self._h2d(sample_idx, torch.long))
             logits = self.model.compute_logits(hidden)
-        batch = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
+        if self._upload is None:
+            batch = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
+        else:  # queued behind the forward's own input copies, the sampling inputs' copies overlap the forward
+            main = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self._upload):
+                batch = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
+            main.wait_stream(self._upload)
+            for f in dataclasses.fields(batch):  # made on the side stream, read on this one
+                t = getattr(batch, f.name)
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(main)
         return sample(self.ops, logits, batch)
 
 
     def start_readback(self, result):
-        """Queue the copy of a step's sampler output to pinned host memory right behind the step's work,
-        with an event: a step launched after this one does not delay reading this one's tokens.
+        """Queue the copy of a step's sampler output to pinned host memory on a side stream, after the
+        sampler, with an event: neither does a step launched after this one delay reading this one's tokens,
+        nor does the copy delay that step.
         Returns (host-side SamplerOutput, event or None where the device is the host)."""
         if self.device.type != "cuda":
             return result, None
+        sampled = torch.cuda.Event()
+        sampled.record()
+        self._download.wait_event(sampled)  # the copy waits for the sampler; the next step does not wait for it
         host = {}
-        for f in dataclasses.fields(result):
-            t = getattr(result, f.name)
-            if t is not None:
-                host[f.name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host[f.name].copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        with torch.cuda.stream(self._download):
+            for f in dataclasses.fields(result):
+                t = getattr(result, f.name)
+                if t is not None:
+                    t.record_stream(self._download)
+                    host[f.name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host[f.name].copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._download)
         return dataclasses.replace(result, **host), event
 
 

@@ -54,8 +54,13 @@ class LMHead(nn.Module):
 
     small_m = None  # see turnout.layers.linear.use_small_m_linear
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return project(hidden, self.weight, self.bias, self.small_m).float()
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32; with ``out`` (float32 [N, V]) written there, the cast and the
+        store in one kernel (a captured decode step writes its static logits buffer so)."""
+        logits = project(hidden, self.weight, self.bias, self.small_m)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     def extra_repr(self) -> str:
         return f"{self.embedding_dim} -> {self.num_embeddings}, tied={self.tied}"

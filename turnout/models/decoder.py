@@ -201,9 +201,9 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions [T] int64 -> hidden [T, H] (final-normed)."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] float32."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32 (into ``out`` when given)."""
+        return self.lm_head(hidden, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from turnout.loader.weight_map import load_weights

@@ -9,8 +9,9 @@ code. Unset, the built-in choices apply. They are read when a kernel is launched
   path of ``small_m_linear`` (turnout/ops/triton/linear.py);
 * ``TURNOUT_MOE_DECODE_CONFIG``: ``{"field": value, ...}``, fields of ``DecodeConfig``
   (turnout/ops/triton/moe_decode.py);
-* ``TURNOUT_ATTN_DECODE``: ``{"num_splits": n}`` fixes the decode attention's split count
-  (turnout/ops/triton/attention.py; 1: never split).
+* ``TURNOUT_ATTN_DECODE``: ``{"num_splits": n, "block_n": n, "num_warps": n, "num_stages": n}`` (any
+  subset) fixes the decode attention's split count (1: never split), KV tile and launch parameters
+  (turnout/ops/triton/attention.py).
 """
 
 from __future__ import annotations

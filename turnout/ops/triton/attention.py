@@ -32,7 +32,7 @@ _SPLIT_MAX_Q = 1
 _MAX_SPLITS = 64
 # Aim for this many programs per SM when splitting; with one program per SM already, do not split.
 _PROGRAMS_PER_SM = 2
-TUNING_ENV = "TURNOUT_ATTN_DECODE"  # {"num_splits": n} (turnout/ops/triton/_tuning.py)
+TUNING_ENV = "TURNOUT_ATTN_DECODE"  # {"num_splits", "block_n", "num_warps", "num_stages"} (_tuning.py)
 
 
 @triton.jit
@@ -258,10 +258,18 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     group = hq // hk
     cfg = _tiles(max_query_len, group, head_dim)
     num_head_tiles = triton.cdiv(group, cfg["G_TILE"])
-    if num_splits is None and max_query_len <= _SPLIT_MAX_Q:
-        num_splits = env_object(TUNING_ENV).get("num_splits")
-        if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-            raise ValueError(f"{TUNING_ENV}: num_splits must be a positive integer, got {num_splits!r}")
+    if max_query_len <= _SPLIT_MAX_Q:
+        tuning = env_object(TUNING_ENV)
+        for key in ("num_splits", "block_n", "num_warps", "num_stages"):
+            value = tuning.get(key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{TUNING_ENV}: {key} must be a positive integer, got {value!r}")
+        if "block_n" in tuning and (tuning["block_n"] < 16 or tuning["block_n"] & (tuning["block_n"] - 1)):
+            raise ValueError(f"{TUNING_ENV}: block_n must be a power of two >= 16, got {tuning['block_n']!r}")
+        cfg.update({key.upper() if key == "block_n" else key: tuning[key]
+                    for key in ("block_n", "num_warps", "num_stages") if key in tuning})
+        if num_splits is None:
+            num_splits = tuning.get("num_splits")
     if num_splits is None:
         num_splits = choose_num_splits(batch, hk * num_head_tiles, max_query_len, max_seq_len,
                                        _num_sms(query.device.type, query.device.index), cfg["BLOCK_N"])
