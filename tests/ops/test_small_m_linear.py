@@ -181,3 +181,17 @@ def test_add_rms_norm_linear_against_the_reference(dtype, m, res):
         add_rms_norm_linear(x, r, nw[:10], 1e-6, w)
     with pytest.raises(ValueError, match="residual"):
         add_rms_norm_linear(x, torch.zeros(m, 10, device=DEVICE, dtype=dtype), nw, 1e-6, w)
+
+
+def test_lm_head_writes_float32_logits_into_out():
+    """compute_logits(out=): a captured decode step's logits go straight into its static float32 buffer (one
+    cast-and-store); the values equal the plain path's."""
+    torch.manual_seed(0)
+    head = LMHead(32, 16)
+    head.weight.data.normal_()
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    head = head.to(torch.bfloat16)
+    out = torch.full((3, 32), float("nan"))
+    got = head(x, out=out)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == torch.float32
+    torch.testing.assert_close(out, head(x), rtol=0, atol=0)

@@ -114,6 +114,23 @@ def test_split_count_from_the_tuning_env(monkeypatch):
         attention.paged_attention(*args)
 
 
+def test_kv_tile_from_the_tuning_env(monkeypatch):
+    """TURNOUT_ATTN_DECODE also sets the decode KV tile and launch parameters (one wide tile per split, as
+    decode_step_ab.py compared on the H200); the result is the reference's, and bad values name the field."""
+    args = list(_paged([1, 1, 1], [5, 70, 300], 8, 2, 32, 16, torch.float32, seed=5))
+    want = ref_attn.paged_attention(*args)
+    args[-2] = 512
+    for setting in ('{"num_splits": 1, "block_n": 128, "num_warps": 8}', '{"num_splits": 2, "block_n": 32}',
+                    '{"block_n": 256, "num_stages": 1}'):
+        monkeypatch.setenv(attention.TUNING_ENV, setting)
+        _close(attention.paged_attention(*args), want, 2e-5, 2e-5)
+    for bad, field in (('{"block_n": 48}', "block_n"), ('{"block_n": 8}', "block_n"), ('{"num_warps": 0}', "num_warps"),
+                       ('{"num_stages": "2"}', "num_stages")):
+        monkeypatch.setenv(attention.TUNING_ENV, bad)
+        with pytest.raises(ValueError, match=f"TURNOUT_ATTN_DECODE.*{field}"):
+            attention.paged_attention(*args)
+
+
 def test_paged_attention_large_gqa_group_spans_head_tiles():
     # 96 query heads on one KV head: more than one head tile per KV head in decode.
     args = _paged([1, 2], [40, 33], 96, 1, 16, 16, torch.float32, seed=3)
