@@ -11,6 +11,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from turnout.utils.roofline import copy_bandwidth, gemm_tflops, machine, measure_ceilings  # noqa: E402,F401
 
 
+def graph_replay_rounds(graph, reps: int, rounds: int = 3) -> list[float]:
+    """ms per replay of a captured CUDA graph, one value per round of ``reps`` back-to-back replays (timed
+    with CUDA events); callers report the best."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) / reps)
+    return out
+
+
 def report(title: str, rows: list[dict], cols: list[str], extra: dict) -> None:
     """Print a table then one JSON line (for docs/benchmarks.md and the GPU suite summary)."""
     print(f"\n== {title}")

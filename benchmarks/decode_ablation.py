@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import graph_replay_rounds  # noqa: E402
 from benchmarks.decode_step_ab import _prime  # noqa: E402
 
 PARTS = ("base", "attention", "o_proj", "qkv", "router", "routing", "gate_up", "down", "experts", "lm_head")
@@ -42,19 +43,6 @@ class _NoLaunch:
 
     def __getitem__(self, grid):
         return lambda *a, **k: None
-
-
-def _time_replays(graph, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
-    return best
 
 
 def main() -> int:
@@ -146,7 +134,7 @@ def main() -> int:
             for _ in range(20):
                 graphs.graphs[1].replay()
             torch.cuda.synchronize()
-            ms = _time_replays(graphs.graphs[1], args.reps)
+            ms = min(graph_replay_rounds(graphs.graphs[1], args.reps))
             rows.append({"part": part, "step_ms": round(ms, 4)})
             print(json.dumps(rows[-1]), flush=True)
             del graphs

@@ -86,6 +86,7 @@ def main() -> int:
         print("decode_step_ab.py needs a CUDA GPU (it times captured CUDA graphs)", file=sys.stderr)
         return 2
 
+    from benchmarks.common import graph_replay_rounds
     from turnout import LLM
     from turnout.engine.cuda_graphs import maybe_capture
     from turnout.entrypoints.bench_models import resolve_model
@@ -141,15 +142,7 @@ def main() -> int:
             torch.cuda.synchronize()
             repeats.append(bool(torch.equal(graphs.logits[:args.batch], logits)))
         first = logits if first is None else first
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        rounds = []
-        for _ in range(3):
-            start.record()
-            for _ in range(args.reps):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            rounds.append(start.elapsed_time(end) / args.reps)
+        rounds = graph_replay_rounds(graph, args.reps)
         ms = min(rounds)
         gb_s = step_bytes / (ms * 1e-3) / 1e9
         row = {"setting": setting, "step_ms": round(ms, 4), "rounds_ms": [round(r, 4) for r in rounds],

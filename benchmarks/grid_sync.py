@@ -29,6 +29,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import graph_replay_rounds  # noqa: E402
 from turnout.ops.triton._pdl import pdl_args, pdl_wait  # noqa: E402
 
 LAYER_MB = (21.0, 0.05, 0.1, 16.8, 0.5, 0.01, 50.3, 25.2)  # Qwen3-30B-A3B batch 1, per phase of a layer
@@ -89,16 +90,7 @@ def _graph_ms(fn, reps: int = 20) -> float:
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
-    return best
+    return min(graph_replay_rounds(graph, reps))
 
 
 def main() -> int:
