@@ -8,9 +8,39 @@ from turnout.ops.triton import _pdl
 
 
 def test_off_on_cpu_and_when_the_environment_says_so(monkeypatch):
-    assert _pdl.pdl_args(torch.zeros(1)) == {"PDL": False}
+    assert _pdl.pdl_args(torch.zeros(1)) == {"PDL": 0}
     monkeypatch.setenv("TURNOUT_PDL", "0")
     assert not _pdl.pdl_enabled(torch.device("cuda", 0))
+
+
+def test_early_launch_names(monkeypatch):
+    """TURNOUT_PDL_EARLY names the kernels that let their dependent launch before they wait (PDL=2); an unknown
+    name is a ValueError naming the variable and the known names."""
+    monkeypatch.setenv(_pdl.EARLY_ENV, "attention_merge, linear")
+    assert _pdl.early_kernels() == {"attention_merge", "linear"}
+    monkeypatch.setenv(_pdl.EARLY_ENV, "")
+    assert _pdl.early_kernels() == frozenset()
+    monkeypatch.setenv(_pdl.EARLY_ENV, "attention,o_proj")
+    with pytest.raises(ValueError, match="TURNOUT_PDL_EARLY.*o_proj"):
+        _pdl.early_kernels()
+    monkeypatch.delenv(_pdl.EARLY_ENV)
+    assert _pdl.early_kernels() == _pdl.EARLY_DEFAULT <= _pdl.KERNEL_NAMES
+
+
+def test_cache_hints_from_the_environment(monkeypatch):
+    from turnout.ops.triton import _tuning
+
+    monkeypatch.delenv(_tuning.CACHE_HINTS_ENV, raising=False)
+    assert _tuning.cache_hint("weights") == _tuning.CACHE_HINT_DEFAULTS["weights"]
+    monkeypatch.setenv(_tuning.CACHE_HINTS_ENV, '{"kv": "evict_last"}')
+    assert (_tuning.cache_hint("kv"), _tuning.cache_hint("weights")) == ("evict_last",
+                                                                          _tuning.CACHE_HINT_DEFAULTS["weights"])
+    monkeypatch.setenv(_tuning.CACHE_HINTS_ENV, '{"kv": "keep"}')
+    with pytest.raises(ValueError, match="TURNOUT_CACHE_HINTS: kv"):
+        _tuning.cache_hint("kv")
+    monkeypatch.setenv(_tuning.CACHE_HINTS_ENV, '{"acts": "evict_first"}')
+    with pytest.raises(ValueError, match="acts"):
+        _tuning.cache_hint("kv")
 
 
 def _chain(x, residual, weights, norm_w, steps):
@@ -39,8 +69,9 @@ def test_gpu_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch):
     x0 = torch.randn(1, h, generator=g).cuda().bfloat16()
     r0 = torch.randn(1, h, generator=g).cuda().bfloat16()
     results = {}
-    for mode in ("1", "0"):
+    for mode, early in (("1", ""), ("0", ""), ("1", "linear")):  # early: each projection launches the next early
         monkeypatch.setenv("TURNOUT_PDL", mode)
+        monkeypatch.setenv(_pdl.EARLY_ENV, early)
         x, r = x0.clone(), r0.clone()
         _chain(x.clone(), r.clone(), weights, norm_w, 2)  # compile
         graph = torch.cuda.CUDAGraph()
@@ -49,6 +80,7 @@ def test_gpu_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch):
         for _ in range(3):  # replays continue from the state the last one left
             graph.replay()
         torch.cuda.synchronize()
-        results[mode] = (out.clone(), r.clone())
-    assert torch.equal(results["1"][0], results["0"][0])
-    assert torch.equal(results["1"][1], results["0"][1])
+        results[mode, early] = (out.clone(), r.clone())
+    for key in (("1", ""), ("1", "linear")):
+        assert torch.equal(results[key][0], results["0", ""][0]), key
+        assert torch.equal(results[key][1], results["0", ""][1]), key

@@ -81,6 +81,22 @@ def test_split_kv_with_empty_splits_and_multi_token_queries():
     _close(attention.paged_attention_impl(*args, num_splits=6), ref_attn.paged_attention(*args), 2e-5, 2e-5)
 
 
+def test_split_merge_ignores_what_empty_splits_left_in_the_workspace(monkeypatch):
+    """The merge loads every split's partial output with its log-sum-exp, unmasked, so every split program must
+    write its rows, empty splits included (zeros, lse -inf): a workspace that starts as NaN must not leak
+    into the output. One token per sequence (T == B), so the kernel takes its one-token path."""
+    args = _paged([1, 1], [5, 300], 4, 1, 32, 16, torch.float32, seed=8)
+    want = ref_attn.paged_attention(*args)
+    real_empty = torch.empty
+
+    def nan_empty(*a, **kw):
+        t = real_empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    _close(attention.paged_attention_impl(*args, num_splits=8), want, 2e-5, 2e-5)
+
+
 def test_split_heuristic_leaves_large_batches_alone():
     assert attention.choose_num_splits(64, 8, 1, 4096, 132) == 1  # 512 programs fill an H200
     assert attention.choose_num_splits(4, 8, 1, 4096, 132) > 1

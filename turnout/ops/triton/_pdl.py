@@ -9,7 +9,12 @@ before it in the stream is still running. Every kernel that takes part follows o
    writes are visible), including programs that exit early, before touching any other memory. So a
    kernel never completes before the one it follows, and completion order stays the stream order,
    transitively through the chain;
-3. ``pdl_wait`` then calls ``gdc_launch_dependents``: the next kernel may start launching now.
+3. ``pdl_wait`` then calls ``gdc_launch_dependents``: the next kernel may start launching now. A kernel
+   named in ``TURNOUT_PDL_EARLY`` (or in ``EARLY_DEFAULT``) calls it *before* its wait instead, so the next
+   kernel launches while this one still waits and can read its constants (weights) during the wait. The
+   order argument still holds: the next kernel's own wait returns only once this kernel has completed,
+   which is after this kernel's wait returned. Every grid triggers only once all its programs are
+   resident, so the kernels launched early cannot starve the ones they wait for.
 
 Kernels that do not take part (cuBLAS, torch's own ops, the sampler) are launched normally, and a normal
 launch waits for everything before it. ``TURNOUT_PDL=0`` turns it off (then ``PDL`` is False and the
@@ -31,9 +36,20 @@ except ImportError:  # pragma: no cover - older Triton or another backend: PDL s
     gdc_launch_dependents = gdc_wait = None
 
 
+EARLY_ENV = "TURNOUT_PDL_EARLY"
+# Kernels that let their dependent launch before they wait (rule 3). Chosen in captured decode steps on the
+# H200 (docs/benchmarks.md): the split merge, so that o_proj streams its weights during decode attention.
+EARLY_DEFAULT = frozenset()
+KERNEL_NAMES = frozenset({"attention", "attention_merge", "linear", "routing", "moe_gate_up", "moe_down"})
+
+
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
-    if PDL:
+    """PDL: 0 off, 1 wait then let the dependent launch, 2 let the dependent launch, then wait."""
+    if PDL == 2:
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
         gdc_wait()
         gdc_launch_dependents()
 
@@ -57,8 +73,22 @@ def pdl_enabled(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_args(t: torch.Tensor) -> dict:
-    """Launch keyword arguments for a kernel with a ``PDL: tl.constexpr`` parameter, on t's device."""
+def early_kernels() -> frozenset:
+    """The kernel names that launch their dependent before waiting: ``TURNOUT_PDL_EARLY`` (comma-separated
+    names from ``KERNEL_NAMES``; empty: none) when set, else ``EARLY_DEFAULT``."""
+    text = os.environ.get(EARLY_ENV)
+    if text is None:
+        return EARLY_DEFAULT
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(names - KERNEL_NAMES)
+    if unknown:
+        raise ValueError(f"{EARLY_ENV}: unknown kernel name(s) {unknown}; known: {sorted(KERNEL_NAMES)}")
+    return names
+
+
+def pdl_args(t: torch.Tensor, kernel: str | None = None) -> dict:
+    """Launch keyword arguments for a kernel with a ``PDL: tl.constexpr`` parameter, on t's device; ``kernel``
+    (one of ``KERNEL_NAMES``) lets it launch its dependent before it waits when named early."""
     if pdl_enabled(t.device):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+        return {"PDL": 2 if kernel is not None and kernel in early_kernels() else 1, "launch_pdl": True}
+    return {"PDL": 0}

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
-from turnout.ops.triton._tuning import env_object
+from turnout.ops.triton._tuning import cache_hint, env_object
 
 LOG2E = 1.4426950408889634
 
@@ -83,10 +83,13 @@ def _paged_attn_kernel(
         G: tl.constexpr, G_TILE: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, HEAD_D: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+        HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+        KV_EVICT: tl.constexpr = "", ONE_TOKEN: tl.constexpr = False):
     """With ROPE (decode, one new token per sequence): Q, KN and VN are the raw q, k and v of the new tokens;
     each program normalises and rotates its q rows itself, and the program whose KV range holds the new
-    position also normalises, rotates and writes the new k and v into the cache before reading it."""
+    position also normalises, rotates and writes the new k and v into the cache before reading it.
+    ONE_TOKEN (the host knows T == B and max_query_len == 1, so query_start_loc is 0, 1, 2, ...): sequence b's
+    token is token b, and the first loads (its length, position, slot, q) do not wait on query_start_loc."""
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -95,8 +98,12 @@ def _paged_attn_kernel(
     kvh = pid2 // num_splits // NUM_HEAD_TILES
     head_tile = pid2 // num_splits % NUM_HEAD_TILES
 
-    q_start = tl.load(QSL + b)
-    q_len = tl.load(QSL + b + 1) - q_start
+    if ONE_TOKEN:  # every sequence has exactly one new token: token b is sequence b's (no dependent load)
+        q_start = b
+        q_len = 1
+    else:
+        q_start = tl.load(QSL + b)
+        q_len = tl.load(QSL + b + 1) - q_start
     if q_tile * BLOCK_Q < q_len:
         kv_len = tl.load(SEQ_LENS + b)
         rows = tl.arange(0, BLOCK_M)
@@ -159,7 +166,7 @@ def _paged_attn_kernel(
                 k_mask = n_ok[None, :] & d_ok[:, None]
                 v_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_head + (page * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None],
-                        mask=k_mask, other=0.0)  # [D_PAD, BLOCK_N]
+                        mask=k_mask, other=0.0, eviction_policy=KV_EVICT)  # [D_PAD, BLOCK_N]
             s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
             s = tl.where(n_ok[None, :] & (offs_n[None, :] <= qpos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -168,7 +175,7 @@ def _paged_attn_kernel(
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                        mask=v_mask, other=0.0)  # [BLOCK_N, D_PAD]
+                        mask=v_mask, other=0.0, eviction_policy=KV_EVICT)  # [BLOCK_N, D_PAD]
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             m_i = m_new
 
@@ -197,9 +204,11 @@ def _split_reduce_kernel(WS_O, WS_LSE, O, num_splits, stride_wt, stride_wh, stri
     s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_D
     lse = tl.load(WS_LSE + t * stride_lt + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # empty splits have lse -inf: weight 0
+    # o is loaded with lse, not after it (one memory round trip). Every split program of a token writes its
+    # rows, an empty split zeros with lse -inf, so no row read here is uninitialised
     o = tl.load(WS_O + t * stride_wt + h * stride_wh + offs_s[:, None] * stride_ws + offs_d[None, :],
-                mask=(s_ok & (w > 0))[:, None] & d_ok[None, :], other=0.0)
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.exp2(lse - tl.max(lse, 0))  # empty splits have lse -inf: weight 0
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
@@ -308,12 +317,13 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         G=group, G_TILE=cfg["G_TILE"], NUM_HEAD_TILES=num_head_tiles, BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
         SPLIT=split, PRECISION=precision, **rope_consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_args(query))
+        KV_EVICT=cache_hint("kv") if max_query_len <= _SPLIT_MAX_Q else "",
+        ONE_TOKEN=max_query_len == 1 and num_tokens == batch, **pdl_args(query, "attention"))
     if split:
         _split_reduce_kernel[(num_tokens, hq)](
             ws_o, ws_lse, out, num_splits, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
             ws_lse.stride(1), out.stride(0), out.stride(1), S_PAD=triton.next_power_of_2(num_splits),
-            HEAD_D=head_dim, D_PAD=cfg["D_PAD"], num_warps=4, **pdl_args(query))
+            HEAD_D=head_dim, D_PAD=cfg["D_PAD"], num_warps=4, **pdl_args(query, "attention_merge"))
     return out
 
 

@@ -77,5 +77,5 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring: str, softma
                         K=top_k, BLOCK_E=triton.next_power_of_2(e), SIGMOID=scoring == "sigmoid",
                         AFTER_TOPK=bool(softmax_after_topk), RENORM=bool(renormalize),
                         HAS_BIAS=e_score_correction_bias is not None, HAS_SCALE=per_expert_scale is not None,
-                        num_warps=4 if e > 256 else 1, **pdl_args(logits))
+                        num_warps=4 if e > 256 else 1, **pdl_args(logits, "routing"))
     return weights, ids
