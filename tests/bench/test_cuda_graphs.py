@@ -105,7 +105,14 @@ def test_run_pads_and_repads():
     assert out.shape == (2, 4) and out[:, 0].tolist() == [21, 22]
     assert (dg.slot_mapping[2:] == -1).all() and (dg.seq_lens[2:] == 1).all()
     assert sorted(torch.nonzero(cache != -5)[:, 0].tolist()) == sorted(slots)
-    assert dg.num_replays == 2
+    # Three lanes: the inputs go up from the pinned buffer of the 5-lane step, whose rows 3..4 must be re-padded.
+    cache.fill_(-5)
+    ids, pos, meta, slots = _host_batch([31, 32, 33], [7, 3, 11], [[5, 6, 0], [7, 0, 0], [8, 9, 10]])
+    out = dg.run(ids, pos, meta)
+    assert out[:, 0].tolist() == [31, 32, 33] and out[:, 3].tolist() == [5, 7, 8]
+    assert (dg.slot_mapping[3:] == -1).all() and (dg.seq_lens[3:] == 1).all()
+    assert sorted(torch.nonzero(cache != -5)[:, 0].tolist()) == sorted(slots)
+    assert dg.num_replays == 3
     # Not graphable: a prefill step, a batch wider than the last bucket, a block table too wide.
     _, _, m2, _ = _host_batch([1] * 17, [3] * 17, [[1]] * 17)
     assert not dg.can_run(17, m2)

@@ -11,10 +11,17 @@ Static buffers, shared by all buckets (bucket ``b`` uses rows ``[:b]``):
 ``logits`` [max_bs, V] f32 (each graph copies its logits there: the graphs' outputs share memory, and
 the graphs share one memory pool for everything else, captured largest first).
 
+``positions``, ``slot_mapping``, ``seq_lens`` and ``block_tables`` are views of one int32 buffer, so a step's
+inputs go up in one copy: the host fills a pinned buffer of the same layout (two, used in turn), a side
+stream copies it to a device staging buffer (two) while the previous step still runs, and the step
+itself makes one device-to-device copy before the replay (five small copies in line were ~3 µs each of
+the step's GPU timeline). The copy covers the 1-D inputs of every row and the block-table rows of the
+live lanes; other block-table rows keep earlier (valid) block ids.
+
 Padding lanes (rows ``n .. b-1`` of a batch of ``n`` replayed in bucket ``b``) write nowhere (slot -1) and
 attend to one token of block 0 (seq_len 1, a valid block id): finite garbage that nobody reads. The
-invariant: every row at or beyond the last live batch size holds padding values; shrinking re-pads the
-rows just left (two small fills), growing overwrites them.
+invariant: every row at or beyond the last live batch size holds padding values; each pinned buffer
+re-pads the rows it held live before and does not now, and its copy carries them.
 
 Capture uses ``max_seq_len = max_model_len``: the attention kernels take it as a host int that sizes
 their grid, and read each sequence's real length from ``seq_lens`` on the device.
@@ -67,7 +74,7 @@ class DecodeGraphs:
     """One CUDA graph per bucket, one memory pool, static inputs; see the module docstring."""
 
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int, device,
-                 max_bucket: int = MAX_GRAPH_BATCH):
+                 max_bucket: int = MAX_GRAPH_BATCH, upload_stream=None):
         self.model = model
         self.kv_caches = kv_caches
         self.device = torch.device(device)
@@ -78,16 +85,45 @@ class DecodeGraphs:
         self.disabled_reason: str | None = None
         self.capture_s = 0.0
         self.num_replays = 0
-        self._filled = 0  # rows [0, _filled) may hold live values; rows beyond hold padding
         bs, dev = self.buckets[-1], self.device
+        cuda = dev.type == "cuda"
+        self._upload = upload_stream if cuda else None
         with torch.inference_mode():
             self.input_ids = torch.zeros(bs, dtype=torch.long, device=dev)
-            self.positions = torch.zeros(bs, dtype=torch.long, device=dev)
-            self.slot_mapping = torch.full((bs,), -1, dtype=torch.long, device=dev)
-            self.block_tables = torch.zeros(bs, self.max_blocks, dtype=torch.int32, device=dev)
-            self.seq_lens = torch.ones(bs, dtype=torch.int32, device=dev)
+            self._inputs = torch.empty(self._words(bs), dtype=torch.int32, device=dev)
+            self.positions, self.slot_mapping, self.seq_lens, self.block_tables = self._views(self._inputs)
             self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=dev)
+            # pinned host buffers and device staging buffers, two of each, used in turn
+            self._host = [torch.empty(self._words(bs), dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+            self._staging = [torch.empty_like(self._inputs) for _ in range(2)] if self._upload is not None else []
+            for buf in self._host:
+                self._pad(self._views(buf), 0)
+            self._inputs.copy_(self._host[0])
+        self._host_filled = [0, 0]  # rows [0, k) of pinned buffer i may hold live values; rows beyond, padding
+        self._uploaded = [torch.cuda.Event() for _ in range(2)] if cuda else []  # staging i written
+        self._consumed = [torch.cuda.Event() for _ in range(2)] if cuda else []  # staging i read
+        self._turn = 0
         self.logits: torch.Tensor | None = None  # [max_bs, V] f32, made by the first warm-up (V as computed)
+
+    def _words(self, rows: int) -> int:
+        """int32 words of the inputs buffer up to the end of block-table row ``rows``: positions and slots
+        (int64, all rows), seq_lens (all rows), then the block tables row by row."""
+        return 5 * self.buckets[-1] + rows * self.max_blocks
+
+    def _views(self, buf: torch.Tensor):
+        """(positions i64 [bs], slot_mapping i64 [bs], seq_lens i32 [bs], block_tables i32 [bs, max_blocks])."""
+        bs = self.buckets[-1]
+        return (buf[:2 * bs].view(torch.int64), buf[2 * bs:4 * bs].view(torch.int64), buf[4 * bs:5 * bs],
+                buf[5 * bs:].view(bs, self.max_blocks))
+
+    @staticmethod
+    def _pad(views, start: int, stop: int | None = None) -> None:
+        positions, slots, seq_lens, tables = views
+        positions[start:stop] = 0
+        slots[start:stop] = -1
+        seq_lens[start:stop] = 1
+        if start == 0 and stop is None:
+            tables.zero_()
 
     @property
     def enabled(self) -> bool:
@@ -182,16 +218,36 @@ class DecodeGraphs:
         n = int(input_ids.shape[0])
         b = bucket_for(n, self.buckets)
         width = int(meta.block_tables.shape[1])
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        i = self._turn
+        self._turn ^= 1
+        host = self._host[i]
+        if self._uploaded:
+            self._uploaded[i].synchronize()  # the copy that last read this pinned buffer (two steps ago) is done
+        positions_h, slots_h, seq_lens_h, tables_h = views = self._views(host)
+        positions_h[:n] = positions
+        slots_h[:n] = meta.slot_mapping
+        seq_lens_h[:n] = meta.seq_lens
         # Columns beyond `width` keep stale (valid) block ids: kernels read only ceil(seq_len / block_size).
-        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        if n < self._filled:  # re-pad the lanes the last batch used and this one does not
-            self.slot_mapping[n:self._filled].fill_(-1)
-            self.seq_lens[n:self._filled].fill_(1)
-        self._filled = n
+        tables_h[:n, :width] = meta.block_tables
+        if n < self._host_filled[i]:  # re-pad the lanes this buffer held live before and does not now
+            self._pad(views, n, self._host_filled[i])
+        self._host_filled[i] = n
+        words = self._words(n)
+        if self._upload is not None:  # up on the side stream, in one device-to-device copy here
+            main = torch.cuda.current_stream(self.device)
+            staging = self._staging[i]
+            with torch.cuda.stream(self._upload):
+                self._upload.wait_event(self._consumed[i])  # the step that last read staging i has copied it
+                staging[:words].copy_(host[:words], non_blocking=True)
+                self._uploaded[i].record(self._upload)
+            main.wait_event(self._uploaded[i])
+            self._inputs[:words].copy_(staging[:words], non_blocking=True)
+            self._consumed[i].record(main)
+        else:
+            self._inputs[:words].copy_(host[:words], non_blocking=True)
+            if self._uploaded:
+                self._uploaded[i].record()
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.graphs[b].replay()
         self.num_replays += 1
         return self.logits[:n]
@@ -216,6 +272,6 @@ def maybe_capture(runner) -> DecodeGraphs | None:
         logger.info("CUDA graphs: not supported on %s; running eagerly", platform.name)
         return None
     graphs = DecodeGraphs(runner.model, runner.kv_caches, config.max_num_seqs, runner.max_model_len,
-                          runner.block_size, runner.device)
+                          runner.block_size, runner.device, upload_stream=runner._upload)
     graphs.capture()
     return graphs
