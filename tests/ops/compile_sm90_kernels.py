@@ -38,11 +38,6 @@ def _cases():
                             BLOCK_K=128 if dot else 2048, EVEN_K=even, USE_DOT=dot, PRECISION=None, UPCAST=False,
                             NORM=fuse_norm, HAS_RES=res, BLOCK_S=256 if dot else 4096, **PDL),
                        {"num_stages": 4 if dot else 3})  # as pick_config chooses for Qwen3-30B-A3B
-    yield ("small_m one row, weights evict_first", linear._small_m_kernel,
-           {**dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr", "ro_ptr", "no_ptr"), B),
-            "eps": "fp32"},
-           dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, EVEN_K=True, USE_DOT=False, PRECISION=None,
-                UPCAST=False, NORM=False, HAS_RES=False, BLOCK_S=4096, EVICT="evict_first", **PDL), {"num_stages": 3})
     yield ("fused_add_rms_norm", norm._fused_add_rms_norm_kernel, {"X": B, "R": B, "W": B, "eps": "fp32"},
            dict(BLOCK=2048, **PDL), {"num_warps": 8})
     yield ("rms_norm", norm._rms_norm_kernel, {"X": B, "W": B, "OUT": B, "eps": "fp32"}, dict(BLOCK=2048, **PDL), {})
@@ -58,13 +53,13 @@ def _cases():
                dict(G=8, G_TILE=8, NUM_HEAD_TILES=1, BLOCK_Q=1 if rope else 2, BLOCK_M=16, BLOCK_N=64, BS=16,
                     HEAD_D=128, D_PAD=128, SPLIT=True, PRECISION=None, ROPE=rope, HAS_NORM=qk_norm, IS_NEOX=neox,
                     ROT=rot, HALF=max(rot // 2, 1), **PDL), {})
-    yield ("paged_attention decode one token, KV evict_last", attention._paged_attn_kernel,
+    yield ("paged_attention decode one token", attention._paged_attn_kernel,
            {**dict.fromkeys(("Q", "K", "V", "O", "QW", "KW", "KN", "VN"), B), "BT": I32, "SEQ_LENS": I32,
             "QSL": I32, "WS_O": F32, "WS_LSE": F32, "qk_scale": "fp32", "POS": I64, "CS": F32, "SLOTS": I64,
             "eps": "fp32"},
            dict(G=8, G_TILE=8, NUM_HEAD_TILES=1, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, BS=16, HEAD_D=128, D_PAD=128,
                 SPLIT=True, PRECISION=None, ROPE=True, HAS_NORM=True, IS_NEOX=True, ROT=128, HALF=64,
-                KV_EVICT="evict_last", ONE_TOKEN=True, **PDL), {})
+                ONE_TOKEN=True, **PDL), {})
     for pdl in (PDL, {"PDL": 2}):  # 2: launches its dependent before it waits (TURNOUT_PDL_EARLY)
         yield (f"split_reduce PDL={pdl['PDL']}", attention._split_reduce_kernel, {"WS_O": F32, "WS_LSE": F32, "O": B},
                dict(S_PAD=4, HEAD_D=128, D_PAD=128, **pdl), {})

@@ -27,22 +27,6 @@ def test_early_launch_names(monkeypatch):
     assert _pdl.early_kernels() == _pdl.EARLY_DEFAULT <= _pdl.KERNEL_NAMES
 
 
-def test_cache_hints_from_the_environment(monkeypatch):
-    from turnout.ops.triton import _tuning
-
-    monkeypatch.delenv(_tuning.CACHE_HINTS_ENV, raising=False)
-    assert _tuning.cache_hint("weights") == _tuning.CACHE_HINT_DEFAULTS["weights"]
-    monkeypatch.setenv(_tuning.CACHE_HINTS_ENV, '{"kv": "evict_last"}')
-    assert (_tuning.cache_hint("kv"), _tuning.cache_hint("weights")) == ("evict_last",
-                                                                          _tuning.CACHE_HINT_DEFAULTS["weights"])
-    monkeypatch.setenv(_tuning.CACHE_HINTS_ENV, '{"kv": "keep"}')
-    with pytest.raises(ValueError, match="TURNOUT_CACHE_HINTS: kv"):
-        _tuning.cache_hint("kv")
-    monkeypatch.setenv(_tuning.CACHE_HINTS_ENV, '{"acts": "evict_first"}')
-    with pytest.raises(ValueError, match="acts"):
-        _tuning.cache_hint("kv")
-
-
 def _chain(x, residual, weights, norm_w, steps):
     """What a decode layer chains: add + norm, one-row projection, SiLU-and-mul, projection."""
     from turnout.ops.triton.activation import silu_and_mul

@@ -13,11 +13,12 @@ before it in the stream is still running. Every kernel that takes part follows o
    named in ``TURNOUT_PDL_EARLY`` (or in ``EARLY_DEFAULT``) calls it *before* its wait instead, so the next
    kernel launches while this one still waits and can read its constants (weights) during the wait. The
    order argument still holds: the next kernel's own wait returns only once this kernel has completed,
-   which is after this kernel's wait returned. Every grid triggers only once all its programs are
-   resident, so the kernels launched early cannot starve the ones they wait for.
+   which is after this kernel's wait returned. A grid's dependent launches only once every program of the
+   grid has started (triggered or exited), so a kernel launched early cannot take the SMs that a kernel
+   it waits for still needs.
 
 Kernels that do not take part (cuBLAS, torch's own ops, the sampler) are launched normally, and a normal
-launch waits for everything before it. ``TURNOUT_PDL=0`` turns it off (then ``PDL`` is False and the
+launch waits for everything before it. ``TURNOUT_PDL=0`` turns it off (then ``PDL`` is 0 and the
 kernels compile exactly as before).
 """
 
@@ -37,8 +38,10 @@ except ImportError:  # pragma: no cover - older Triton or another backend: PDL s
 
 
 EARLY_ENV = "TURNOUT_PDL_EARLY"
-# Kernels that let their dependent launch before they wait (rule 3). Chosen in captured decode steps on the
-# H200 (docs/benchmarks.md): the split merge, so that o_proj streams its weights during decode attention.
+# Kernels that let their dependent launch before they wait (rule 3): none. Measured in the captured
+# Qwen3-30B-A3B step on the H200 (docs/benchmarks.md, eighth session), every choice lost 0.8-3.4 %: with the
+# split merge early, o_proj reads its weights during decode attention, and attention slows by more than
+# o_proj gains.
 EARLY_DEFAULT = frozenset()
 KERNEL_NAMES = frozenset({"attention", "attention_merge", "linear", "routing", "moe_gate_up", "moe_down"})
 

@@ -11,10 +11,7 @@ code. Unset, the built-in choices apply. They are read when a kernel is launched
   (turnout/ops/triton/moe_decode.py);
 * ``TURNOUT_ATTN_DECODE``: ``{"num_splits": n, "block_n": n, "num_warps": n, "num_stages": n}`` (any
   subset) fixes the decode attention's split count (1: never split), KV tile and launch parameters
-  (turnout/ops/triton/attention.py);
-* ``TURNOUT_CACHE_HINTS``: ``{"weights": policy, "kv": policy}`` (either may be left out), the L2
-  eviction policy (``"evict_first"``, ``"evict_last"`` or ``""``: none) of the decode kernels' weight
-  streams (one-row projections, the MoE decode experts) and of the decode attention's KV reads.
+  (turnout/ops/triton/attention.py).
 """
 
 from __future__ import annotations
@@ -40,21 +37,3 @@ def env_object(name: str) -> dict:
     variable when it is not a JSON object."""
     text = os.environ.get(name, "").strip()
     return _parse(name, text) if text else {}
-
-
-CACHE_HINTS_ENV = "TURNOUT_CACHE_HINTS"
-CACHE_HINT_DEFAULTS = {"weights": "", "kv": ""}
-_POLICIES = ("", "evict_first", "evict_last")
-
-
-def cache_hint(stream: str) -> str:
-    """The L2 eviction policy for ``stream`` ("weights" or "kv"): ``TURNOUT_CACHE_HINTS`` over the defaults;
-    ValueError naming the variable and the field for an unknown policy."""
-    hints = {**CACHE_HINT_DEFAULTS, **env_object(CACHE_HINTS_ENV)}
-    unknown = sorted(set(hints) - set(CACHE_HINT_DEFAULTS))
-    if unknown:
-        raise ValueError(f"{CACHE_HINTS_ENV}: unknown field(s) {unknown}; known: {sorted(CACHE_HINT_DEFAULTS)}")
-    policy = hints[stream]
-    if policy not in _POLICIES:
-        raise ValueError(f"{CACHE_HINTS_ENV}: {stream} must be one of {list(_POLICIES)}, got {policy!r}")
-    return policy

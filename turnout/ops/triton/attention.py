@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
-from turnout.ops.triton._tuning import cache_hint, env_object
+from turnout.ops.triton._tuning import env_object
 
 LOG2E = 1.4426950408889634
 
@@ -84,7 +84,7 @@ def _paged_attn_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, HEAD_D: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
         HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
-        KV_EVICT: tl.constexpr = "", ONE_TOKEN: tl.constexpr = False):
+        ONE_TOKEN: tl.constexpr = False):
     """With ROPE (decode, one new token per sequence): Q, KN and VN are the raw q, k and v of the new tokens;
     each program normalises and rotates its q rows itself, and the program whose KV range holds the new
     position also normalises, rotates and writes the new k and v into the cache before reading it.
@@ -166,7 +166,7 @@ def _paged_attn_kernel(
                 k_mask = n_ok[None, :] & d_ok[:, None]
                 v_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_head + (page * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None],
-                        mask=k_mask, other=0.0, eviction_policy=KV_EVICT)  # [D_PAD, BLOCK_N]
+                        mask=k_mask, other=0.0)  # [D_PAD, BLOCK_N]
             s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
             s = tl.where(n_ok[None, :] & (offs_n[None, :] <= qpos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -175,7 +175,7 @@ def _paged_attn_kernel(
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                        mask=v_mask, other=0.0, eviction_policy=KV_EVICT)  # [BLOCK_N, D_PAD]
+                        mask=v_mask, other=0.0)  # [BLOCK_N, D_PAD]
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             m_i = m_new
 
@@ -317,7 +317,6 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         G=group, G_TILE=cfg["G_TILE"], NUM_HEAD_TILES=num_head_tiles, BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
         SPLIT=split, PRECISION=precision, **rope_consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        KV_EVICT=cache_hint("kv") if max_query_len <= _SPLIT_MAX_Q else "",
         ONE_TOKEN=max_query_len == 1 and num_tokens == batch, **pdl_args(query, "attention"))
     if split:
         _split_reduce_kernel[(num_tokens, hq)](

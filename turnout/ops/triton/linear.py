@@ -31,7 +31,7 @@ import triton.language as tl
 
 from turnout.ops.reference.linear import MAX_M
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
-from turnout.ops.triton._tuning import cache_hint, env_object
+from turnout.ops.triton._tuning import env_object
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TILES_ENV = "TURNOUT_SMALL_M_TILES"  # one-row tile overrides by "N,K" (turnout/ops/triton/_tuning.py)
@@ -60,13 +60,13 @@ def _x_tile(x_rows, r_rows, nw_ptr, ks, ok, k_ok, rstd, NORM: tl.constexpr, HAS_
 
 @triton.jit
 def _tiles(w_rows, x_rows, r_rows, nw_ptr, k0, ks, K, row_ok, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-           HAS_RES: tl.constexpr, EVICT: tl.constexpr):
+           HAS_RES: tl.constexpr):
     """The weight tile [BN, BK] (contiguous along K) and the input tile [BM, BK] at k0."""
     k_ok = (k0 + ks) < K
     if EVEN_K:
-        w = tl.load(w_rows + (k0 + ks)[None, :], eviction_policy=EVICT)
+        w = tl.load(w_rows + (k0 + ks)[None, :])
     else:
-        w = tl.load(w_rows + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy=EVICT)
+        w = tl.load(w_rows + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
     a = _x_tile(x_rows, r_rows, nw_ptr, k0 + ks, row_ok[:, None] & k_ok[None, :], k_ok, rstd, NORM, HAS_RES)
     return w, a
 
@@ -124,7 +124,7 @@ def _small_m_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr, no_ptr, M
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                    BLOCK_S: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr = ""):
+                    BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -143,7 +143,7 @@ def _small_m_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr, no_ptr, M
                              HAS_RES)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            w, a = _tiles(w_rows, x_rows, r_rows, nw_ptr, k0, ks, K, row_ok, rstd, EVEN_K, NORM, HAS_RES, EVICT)
+            w, a = _tiles(w_rows, x_rows, r_rows, nw_ptr, k0, ks, K, row_ok, rstd, EVEN_K, NORM, HAS_RES)
             if UPCAST:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
@@ -151,16 +151,16 @@ def _small_m_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr, no_ptr, M
     else:  # one row: products summed along K in registers, reduced across lanes once at the end
         # the first weight tile is a constant: read before the wait (PDL)
         if EVEN_K:
-            w = tl.load(w_rows + ks[None, :], eviction_policy=EVICT)
+            w = tl.load(w_rows + ks[None, :])
         else:
-            w = tl.load(w_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0, eviction_policy=EVICT)
+            w = tl.load(w_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
         pdl_wait(PDL)
         rstd = _row_prologue(x_rows, r_rows, ro_rows, no_rows, nw_ptr, row_ok, K, eps, BLOCK_M, BLOCK_S, NORM,
                              HAS_RES)
         a = _x_tile(x_rows, r_rows, nw_ptr, ks, row_ok[:, None] & (ks < K)[None, :], ks < K, rstd, NORM, HAS_RES)
         part = w.to(tl.float32) * a.to(tl.float32)  # [BN, BK] * [1, BK]
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            w, a = _tiles(w_rows, x_rows, r_rows, nw_ptr, k0, ks, K, row_ok, rstd, EVEN_K, NORM, HAS_RES, EVICT)
+            w, a = _tiles(w_rows, x_rows, r_rows, nw_ptr, k0, ks, K, row_ok, rstd, EVEN_K, NORM, HAS_RES)
             part += w.to(tl.float32) * a.to(tl.float32)
         acc = tl.sum(part, axis=1)[None, :]  # [1, BN]
     if HAS_BIAS:
@@ -237,8 +237,7 @@ def _launch(x, weight, bias, y, config, residual=None, norm_weight=None, eps=0.0
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
         USE_DOT=use_dot, PRECISION=precision, UPCAST=upcast, NORM=norm, HAS_RES=residual is not None,
         BLOCK_S=max(16, min(_pow2(k), 8192 // bm)),
-        EVICT=cache_hint("weights"), num_warps=cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages,
-        **pdl_args(x, "linear"))
+        num_warps=cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages, **pdl_args(x, "linear"))
 
 
 def norm_fusion_pays(n: int, k: int) -> bool:

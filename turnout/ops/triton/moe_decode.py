@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
-from turnout.ops.triton._tuning import cache_hint, env_object
+from turnout.ops.triton._tuning import env_object
 from turnout.ops.triton.moe_one_token import one_token_down_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -154,8 +154,7 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr,
                            stride_xt, stride_we, stride_wn, stride_act,
                            SCAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, BY_SLOT: tl.constexpr, EVEN_K: tl.constexpr,
-                           PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-                           EVICT: tl.constexpr = ""):
+                           PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     expert, count = _owned_expert(ids_ptr, num_pairs, num_experts, SCAN, BY_SLOT)
     if count == 0:
@@ -175,13 +174,13 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr,
             ks = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BK]
-                wg = tl.load(w_gate + ks[:, None], eviction_policy=EVICT)  # [BK, BN]
-                wu = tl.load(w_up + ks[:, None], eviction_policy=EVICT)
+                wg = tl.load(w_gate + ks[:, None])  # [BK, BN]
+                wu = tl.load(w_up + ks[:, None])
             else:
                 k_ok = ks < H
                 a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                wg = tl.load(w_gate + ks[:, None], mask=k_ok[:, None], other=0.0, eviction_policy=EVICT)
-                wu = tl.load(w_up + ks[:, None], mask=k_ok[:, None], other=0.0, eviction_policy=EVICT)
+                wg = tl.load(w_gate + ks[:, None], mask=k_ok[:, None], other=0.0)
+                wu = tl.load(w_up + ks[:, None], mask=k_ok[:, None], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 wg = wg.to(tl.float32)
@@ -294,7 +293,7 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         SCAN=scan, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, BY_SLOT=by_slot,
         EVEN_K=hidden_size % bk1 == 0, PRECISION=precision, UPCAST=upcast,
-        EVICT=cache_hint("weights"), num_warps=cfg.num_warps, num_stages=stages, **pdl_args(hidden, "moe_gate_up"))
+        num_warps=cfg.num_warps, num_stages=stages, **pdl_args(hidden, "moe_gate_up"))
     out = torch.empty_like(hidden)  # [T, H]
     kp = _pow2(top_k)
     if num_tokens == 1 and cfg.one_token:
@@ -302,7 +301,7 @@ def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         one_token_down_kernel[(triton.cdiv(hidden_size, bn),)](
             act, w2, weights, out, ids, top_k, num_experts, hidden_size, inter,
             act.stride(0), w2.stride(0), w2.stride(1),
-            KP=kp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=inter % bk == 0, EVICT=cache_hint("weights"),
+            KP=kp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=inter % bk == 0,
             num_warps=cfg.num_warps_one, num_stages=1 if _INTERPRET else cfg.num_stages_one,
             **pdl_args(hidden, "moe_down"))
         return out

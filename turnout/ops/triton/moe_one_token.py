@@ -22,7 +22,7 @@ from turnout.ops.triton._pdl import pdl_wait
 def one_token_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
                            top_k, num_experts, H, I, stride_act, stride_we, stride_wn,
                            KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           PDL: tl.constexpr, EVICT: tl.constexpr = ""):
+                           PDL: tl.constexpr):
     """out[0, cols] = sum_j weight[j] * act[j] @ w2[ids[j], cols].T for one token, summed in registers.
 
     The slot weight scales the activation before the products, so one [BN, BK] fp32 partial serves every
@@ -49,11 +49,11 @@ def one_token_down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr,
         s = tl.sum(tl.where(pick, scale, 0.0), axis=0)
         w_rows = w2_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn
         if EVEN_K:
-            w = tl.load(w_rows + (k0 + ks)[None, :], eviction_policy=EVICT)
+            w = tl.load(w_rows + (k0 + ks)[None, :])
             a = tl.load(act_ptr + j * stride_act + k0 + ks, mask=ok, other=0.0)
         else:
             k_ok = (k0 + ks) < I
-            w = tl.load(w_rows + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy=EVICT)
+            w = tl.load(w_rows + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
             a = tl.load(act_ptr + j * stride_act + k0 + ks, mask=ok & k_ok, other=0.0)
         part += w.to(tl.float32) * (a.to(tl.float32) * s)[None, :]
     tl.store(out_ptr + cols, tl.sum(part, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
