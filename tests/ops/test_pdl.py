@@ -25,6 +25,8 @@ def test_early_launch_names(monkeypatch):
         _pdl.early_kernels()
     monkeypatch.delenv(_pdl.EARLY_ENV)
     assert _pdl.early_kernels() == _pdl.EARLY_DEFAULT <= _pdl.KERNEL_NAMES
+    with pytest.raises(ValueError, match="o_proj"):  # a launch site naming a kernel the switch cannot name
+        _pdl.pdl_args(torch.zeros(1), "o_proj")
 
 
 def _chain(x, residual, weights, norm_w, steps):

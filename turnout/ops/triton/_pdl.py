@@ -92,6 +92,8 @@ def early_kernels() -> frozenset:
 def pdl_args(t: torch.Tensor, kernel: str | None = None) -> dict:
     """Launch keyword arguments for a kernel with a ``PDL: tl.constexpr`` parameter, on t's device; ``kernel``
     (one of ``KERNEL_NAMES``) lets it launch its dependent before it waits when named early."""
+    if kernel is not None and kernel not in KERNEL_NAMES:
+        raise ValueError(f"pdl_args: unknown kernel name {kernel!r}; add it to KERNEL_NAMES")
     if pdl_enabled(t.device):
         return {"PDL": 2 if kernel is not None and kernel in early_kernels() else 1, "launch_pdl": True}
     return {"PDL": 0}
