@@ -14,8 +14,8 @@ the graphs share one memory pool for everything else, captured largest first).
 ``positions``, ``slot_mapping``, ``seq_lens`` and ``block_tables`` are views of one int32 buffer, so a step's
 inputs go up in one copy: the host fills a pinned buffer of the same layout (two, used in turn), a side
 stream copies it to a device staging buffer (two) while the previous step still runs, and the step
-itself makes one device-to-device copy before the replay (five small copies in line were ~3 µs each of
-the step's GPU timeline). The copy covers the 1-D inputs of every row and the block-table rows of the
+itself makes one device-to-device copy before the replay (before, four host-to-device copies waited in
+line, ~3 µs each of the step's GPU timeline). The copy covers the 1-D inputs of every row and the block-table rows of the
 live lanes; other block-table rows keep earlier (valid) block ids.
 
 Padding lanes (rows ``n .. b-1`` of a batch of ``n`` replayed in bucket ``b``) write nowhere (slot -1) and
