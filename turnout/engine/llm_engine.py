@@ -189,6 +189,7 @@ class LLMEngine:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
         vocab = self.runner.vocab_size
+        params.verify_for_model(vocab)
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")

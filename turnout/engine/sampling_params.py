@@ -1,12 +1,54 @@
-"""SamplingParams, as in vLLM. Every invalid value raises ValueError naming the field."""
+"""SamplingParams, as in vLLM. Every invalid value raises ValueError naming the field.
+
+Admission is the one place a value is checked against what the engine can represent: each integer is
+bounded by the dtype of the tensor it ends up in (top_k: int32, seeds and token ids: int64) and by its
+meaning (counts), each float must be finite where NaN or infinity has no meaning. A value that passes
+here must never make a step raise. Checks that need the model (the vocabulary) are in
+``verify_for_model``, which admission calls once the model is known.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries, as OpenAI's limit on logit_bias (300) rounded up
+LOGIT_BIAS_RANGE = 100.0  # OpenAI: values in [-100, 100]
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # any 64-bit pattern, signed or unsigned
+MAX_TOKENS_LIMIT = INT32_MAX  # positions and lengths are int32 in the attention metadata
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _finite(x) -> bool:
+    # an int too large for a float is not a usable number here either
+    try:
+        return _is_num(x) and math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def _need(cond: bool, name: str, why: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {why}")
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 @dataclass
@@ -14,7 +56,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
+    top_k: int = 0  # 0 or -1: off; at or above the vocabulary size: off too (verify_for_model)
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -28,49 +70,74 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # token id -> bias added to its logit. Validated here (keys token ids, values finite in [-100, 100]);
+    # the OpenAI server still refuses a non-empty one until the sampler applies it.
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self):
-        def need(cond, name, why):
-            if not cond:
-                raise ValueError(f"{name}: {why}")
-
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_num(x):
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-        need(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
-        need(is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
-             f"must be a number in [0, 100], got {self.temperature!r}")
-        need(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        need(is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        need(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        need(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        need = _need
+        need(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {_short(self.n)}")
+        need(_finite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
+             f"must be a number in [0, 100], got {_short(self.temperature)}")
+        need(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {_short(self.top_p)}")
+        need(_is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX, "top_k",
+             f"must be -1, 0 (off) or a positive integer up to {INT32_MAX}, got {_short(self.top_k)}")
+        need(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {_short(self.min_p)}")
+        need(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX), "seed",
+             f"must be an integer within 64 bits ([{SEED_MIN}, {SEED_MAX}]), got {_short(self.seed)}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            need(is_num(v) and -2.0 <= v <= 2.0, name, f"must be in [-2, 2], got {v!r}")
-        need(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
-             f"must be in (0, 10], got {self.repetition_penalty!r}")
-        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
-             f"must be a positive integer, got {self.max_tokens!r}")
-        need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
-             f"must be a non-negative integer, got {self.min_tokens!r}")
+            need(_finite(v) and -2.0 <= v <= 2.0, name, f"must be in [-2, 2], got {_short(v)}")
+        need(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
+             f"must be in (0, 10], got {_short(self.repetition_penalty)}")
+        need(self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT),
+             "max_tokens", f"must be an integer in [1, {MAX_TOKENS_LIMIT}], got {_short(self.max_tokens)}")
+        need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= MAX_TOKENS_LIMIT, "min_tokens",
+             f"must be an integer in [0, {MAX_TOKENS_LIMIT}], got {_short(self.min_tokens)}")
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
-        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
-             f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            need(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {_short(getattr(self, name))}")
+        need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+             f"must be an integer in [0, {MAX_LOGPROBS}], got {_short(self.logprobs)}")
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop if self.stop is not None else [])
         need(isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop), "stop",
              "must be a non-empty string or a list of non-empty strings")
         need(len(stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        need(all(len(s) <= MAX_STOP_STRING_CHARS for s in stop), "stop",
+             f"each stop string at most {MAX_STOP_STRING_CHARS} characters")
         self.stop_strings = tuple(stop)
-        ids = self.stop_token_ids or []
-        need(isinstance(ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in ids), "stop_token_ids",
-             "must be a list of non-negative integers")
+        ids = self.stop_token_ids if self.stop_token_ids is not None else []
+        need(isinstance(ids, (list, tuple)), "stop_token_ids", "must be a list of non-negative integers")
+        need(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        bad = next((t for t in ids if not (_is_int(t) and 0 <= t <= INT64_MAX)), None)
+        need(bad is None, "stop_token_ids", f"must be a list of non-negative integers within int64, got {_short(bad)}")
         self.stop_token_ids = list(ids)
+        if self.logit_bias is not None:
+            lb = self.logit_bias
+            need(isinstance(lb, dict), "logit_bias", "must be a mapping of token id to bias")
+            need(len(lb) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(lb)}")
+            for k, v in lb.items():
+                need(_is_int(k) and 0 <= k <= INT64_MAX, "logit_bias",
+                     f"keys must be non-negative integer token ids, got {_short(k)}")
+                need(_finite(v) and -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE, "logit_bias",
+                     f"values must be finite numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                     f"got {_short(v)} for token {k}")
+            self.logit_bias = {int(k): float(v) for k, v in lb.items()}
+
+    def verify_for_model(self, vocab_size: int) -> None:
+        """The checks that need the model: every token id inside [0, vocab_size), else ValueError naming
+        the field. ``top_k`` at or above the vocabulary keeps every token: it is normalised to 0 (off), so
+        the sampler never sees a k it cannot represent or use. Idempotent; called once per request."""
+        _need(_is_int(vocab_size) and vocab_size > 0, "vocab_size", f"must be a positive integer, got {vocab_size!r}")
+        bad = next((t for t in self.stop_token_ids if not 0 <= t < vocab_size), None)
+        _need(bad is None, "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if self.logit_bias:
+            bad = next((t for t in self.logit_bias if not 0 <= t < vocab_size), None)
+            _need(bad is None, "logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if self.top_k >= vocab_size:
+            self.top_k = 0
 
     @property
     def greedy(self) -> bool:
