@@ -66,7 +66,7 @@ class ServerState:
             except Exception:  # noqa: BLE001
                 self.tokenizer = engine.tokenizer
             self.max_model_len = int(engine.max_model_len)
-            self.vocab_size = len(engine.tokenizer)
+            self.vocab_size = _model_vocab(engine)
             if not self.served_model_names:
                 self.served_model_names = [str(engine.model_name)]
             ops = getattr(engine, "ops", None)
@@ -140,6 +140,15 @@ class ServerState:
         if s is None:
             s = self._decode_cache[tid] = self.tokenizer.decode([tid])
         return s
+
+
+def _model_vocab(engine) -> int:
+    """Token ids the model accepts: its embedding rows (the runner's vocab), else the tokenizer's size."""
+    for holder in (engine, getattr(engine, "runner", None)):
+        v = getattr(holder, "vocab_size", None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return len(engine.tokenizer)
 
 
 class _Guard:

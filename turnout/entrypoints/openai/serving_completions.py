@@ -42,7 +42,13 @@ async def _prompts(state, req: P.CompletionRequest) -> list[Prompt]:
         else:
             if not r:
                 raise bad_request("prompt: a token-id prompt must not be empty", param="prompt", code="empty_prompt")
-            # ids outside the vocabulary: the engine's ValueError names them (400, param "prompt")
+            # checked here, before echo detokenises them (a negative id overflows the tokenizer); the
+            # engine checks again at admission
+            vocab = state.vocab_size
+            bad = next((t for t in r if not 0 <= t < vocab), None) if vocab else None
+            if bad is not None:
+                raise bad_request(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
+                                  code="invalid_value")
             prompts.append(Prompt(list(r)))
     return prompts
 
