@@ -157,3 +157,76 @@ def test_platform_default_policy_is_used():
 def test_cpu_probe_is_always_available():
     plat, why = cpu.probe()
     assert plat.name == "cpu" and why == "always available"
+
+
+# --- Triton kernels follow the platform's own declaration, not a list of names ------------------
+
+def _resolve_on(plat):
+    from turnout.ops import build_registry, resolve
+
+    registry = build_registry(plugins=False)
+    return registry, resolve(plat, Policy.from_sources(env={}, platform=plat), registry)
+
+
+def _triton_ops(registry):
+    from turnout.ops import triton as triton_impls
+
+    return {op for op in triton_impls.KERNELS if op in registry.ops}
+
+
+def _assert_triton_chosen(plat):
+    registry, table = _resolve_on(plat)
+    kernels = _triton_ops(registry)
+    assert kernels, "no Triton kernel registered"
+    for op in registry.ops:
+        assert table.chosen(op) == ("triton.default" if op in kernels else "reference.torch"), op
+
+
+@pytest.mark.parametrize("device_name", ["Iluvatar BI-V150", "MetaX C550"])
+def test_builtin_vendor_declaring_triton_gets_the_triton_kernels(monkeypatch, device_name):
+    # Iluvatar was left out of a list of Triton platforms and so ran the reference everywhere.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: device_name)
+    plat = detect_platform()
+    assert plat.triton_backend and plat.takes_triton
+    _assert_triton_chosen(plat)
+
+
+def test_new_platform_declaring_triton_gets_the_triton_kernels():
+    # A platform turnout has never heard of (a plugin's, say): its declaration is all that counts.
+    plat = Platform(name="newchip", device_type="newchip", dist_backend="nccl", triton_backend=True)
+    _assert_triton_chosen(plat)
+
+
+def test_platform_without_triton_backend_is_not_served_by_triton():
+    plat = Platform(name="plainchip", device_type="plainchip", dist_backend="gloo", triton_backend=False)
+    assert not plat.takes_triton
+    registry, table = _resolve_on(plat)
+    for op in _triton_ops(registry):
+        assert table.chosen(op) == "reference.torch"
+        cand = table.resolutions[op].candidate("triton.default")
+        assert not cand.available
+        assert cand.reason == "does not serve platform plainchip (serves platforms that take Triton kernels)"
+    kunlun = Platform(name="kunlun", device_type="xpu", dist_backend="bkcl", triton_backend=False)
+    assert not kunlun.takes_triton
+
+
+def test_host_platform_takes_triton_only_under_the_interpreter(monkeypatch):
+    from turnout.ops import build_registry
+    from turnout.ops.dispatch import resolve_op
+
+    plat = cpu.probe()[0]
+    assert plat.takes_triton and not plat.triton_backend  # a candidate, ranked after the reference
+    from turnout import envs
+
+    registry = build_registry(plugins=False)
+    try:
+        for interpret, available in (("1", True), ("0", False)):
+            monkeypatch.setenv("TRITON_INTERPRET", interpret)
+            envs.reload()  # read once per process; re-read here
+            cand = resolve_op("silu_and_mul", registry, plat, Policy()).candidate("triton.default")
+            assert cand.available is available, cand.reason
+    finally:
+        monkeypatch.undo()
+        envs.reload()

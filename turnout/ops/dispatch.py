@@ -93,7 +93,7 @@ def _order(op: str, impls: list[Impl], platform, policy: Policy) -> tuple[list[I
         ordered = sorted(impls, key=lambda i: (rank.get(i.family, len(rank)), -i.priority, i.id))
         # An implementation for another platform is no candidate here (so strict mode is about the
         # first one that could run). Named explicitly in a per-op order, it stays and is reported.
-        excluded = [(i, f"does not serve platform {platform.name} (serves {','.join(i.platforms)})")
+        excluded = [(i, f"does not serve platform {platform.name} (serves {i.platforms_text()})")
                     for i in ordered if not i.serves(platform)]
         ordered = [i for i in ordered if i.serves(platform)]
     kept = []

@@ -9,6 +9,10 @@ from typing import Any, Callable, Iterable
 
 # Names of platforms an implementation can serve; "*" means every platform.
 ANY_PLATFORM = "*"
+# Every platform that takes Triton kernels, by its own declaration (Platform.takes_triton: a compiled
+# Triton backend, or host tensors, which only the interpreter runs). Not a list of names: a new vendor
+# platform, built in or from a plugin, that says triton_backend=True gets the Triton kernels.
+TRITON_PLATFORMS = "@triton"
 
 
 @dataclass
@@ -110,7 +114,14 @@ class Impl:
         return None if callable(self.target) else self.target.partition(":")[0]
 
     def serves(self, platform) -> bool:
-        return ANY_PLATFORM in self.platforms or platform.name in self.platforms
+        if ANY_PLATFORM in self.platforms or platform.name in self.platforms:
+            return True
+        return TRITON_PLATFORMS in self.platforms and bool(getattr(platform, "takes_triton", False))
+
+    def platforms_text(self) -> str:
+        """The platforms it serves, in words (for "does not serve" reasons)."""
+        names = ["platforms that take Triton kernels" if p == TRITON_PLATFORMS else p for p in self.platforms]
+        return ",".join(names)
 
     def resolve(self) -> Callable:
         """Import and return the real callable; raises ImplUnavailable with the reason."""
@@ -146,7 +157,7 @@ class Impl:
     def probe(self, platform) -> tuple[bool, str, Callable | None]:
         """(available, reason, callable). Resolves the callable for real (seed 003)."""
         if not self.serves(platform):
-            return False, f"does not serve platform {platform.name} (serves {','.join(self.platforms)})", None
+            return False, f"does not serve platform {platform.name} (serves {self.platforms_text()})", None
         try:
             fn = self.resolve()
         except ImplUnavailable as e:

@@ -39,6 +39,13 @@ class Platform:
         return torch.device(self.device_type, index)
 
     @property
+    def takes_triton(self) -> bool:
+        """Whether Triton kernels are candidates here, from this platform's own declaration: it has a
+        compiled Triton backend, or its tensors live on the host (where the Triton interpreter runs them,
+        for tests; ``triton_usable`` then says whether TRITON_INTERPRET=1 is set)."""
+        return self.triton_backend or self.device_type == "cpu"
+
+    @property
     def is_gpu(self) -> bool:
         return self.device_type != "cpu"
 

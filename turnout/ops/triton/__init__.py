@@ -1,9 +1,6 @@
 """Portable Triton kernels. Registered lazily: ``triton`` is imported only when a kernel is probed."""
 
-from turnout.ops.spec import Impl
-
-# The platforms whose Triton port runs these kernels; cpu only under TRITON_INTERPRET=1.
-TRITON_PLATFORMS = ("cuda", "rocm", "maca", "xpu", "npu", "cpu")
+from turnout.ops.spec import TRITON_PLATFORMS, Impl
 
 
 def _check(platform):
@@ -36,4 +33,4 @@ def register(registry) -> None:
         if op not in registry.ops:  # an op whose declaration is not loaded
             continue
         registry.add_impl(Impl(op=op, id="triton.default", target=f"turnout.ops.triton.{target}",
-                               platforms=TRITON_PLATFORMS, priority=0, check=_check))
+                               platforms=(TRITON_PLATFORMS,), priority=0, check=_check))
