@@ -186,16 +186,49 @@ def test_log_table_is_one_record_with_reasons(caplog):
     reg.plugins.append(__import__("turnout.ops.registry", fromlist=["PluginReport"]).PluginReport(
         "brokenchip", False, "ImportError: libbroken.so"))
     table = resolve(FAKE_CUDA, Policy.parse("deny=triton.fast"), reg)
-    with caplog.at_level(logging.INFO, logger="turnout.ops"):
+    with caplog.at_level(logging.DEBUG, logger="turnout.ops"):
         log_table(table)
     recs = [r for r in caplog.records if r.name.startswith("turnout.ops")]
-    assert len(recs) == 1
-    text = recs[0].getMessage()
+    assert [r.levelno for r in recs] == [logging.INFO, logging.DEBUG]  # the whole table only at DEBUG
+    text = recs[1].getMessage()
     assert "scale" in text and "vendor.cuda" in text
     assert "triton.fast: denied by policy" in text
     assert "triton.default: available; ranked below vendor.cuda" in text
     assert "vendor.other: does not serve platform cuda" in text
     assert "plugin brokenchip not loaded: ImportError: libbroken.so" in text
+
+
+def _rows_registry():
+    """Three ops on a fake GPU: two lose their vendor kernel to the same missing library, one has none."""
+    reg = Registry()
+    for name in ("scale_a", "scale_b", "scale_c"):
+        reg.add_op(OpSpec(name, scale_ref, _samples))
+        reg.add_impl(Impl(name, "triton.default", _impl("td")))
+    for name in ("scale_a", "scale_b"):
+        reg.add_impl(Impl(name, "vendor.cuda", "turnout_no_such_vendor_lib:scale", platforms=("cuda",)))
+    return reg
+
+
+def test_info_log_is_one_line_naming_each_missing_library_once(caplog):
+    table = resolve(FAKE_CUDA, Policy.parse("scale_c=reference"), _rows_registry())
+    with caplog.at_level(logging.INFO, logger="turnout.ops"):
+        log_table(table)
+    recs = [r for r in caplog.records if r.name.startswith("turnout.ops")]
+    assert len(recs) == 1 and recs[0].levelno == logging.INFO
+    line = recs[0].getMessage()
+    assert "\n" not in line
+    assert line.startswith("op dispatch on cuda (policy scale_c=reference): 3 ops, 2 triton, 1 reference; ")
+    assert "2 fell back: scale_a, scale_b past vendor.cuda (import turnout_no_such_vendor_lib failed: " in line
+    assert line.count("ModuleNotFoundError") == 1  # once, not once per op
+    assert "turnout ops" in line
+
+
+def test_info_log_says_when_nothing_fell_back(caplog):
+    table = resolve(CPU, NONE, toy_registry())
+    with caplog.at_level(logging.INFO, logger="turnout.ops"):
+        log_table(table)
+    (rec,) = [r for r in caplog.records if r.name.startswith("turnout.ops")]
+    assert "1 op, 1 reference; none fell back" in rec.getMessage()
 
 
 # --- probes resolve the real callable -------------------------------------------------------------

@@ -245,9 +245,41 @@ def resolve(platform, policy: Policy | None = None, registry: Registry | None = 
     return OpTable(platform, policy, resolutions, registry)
 
 
+def summary_line(table: OpTable) -> str:
+    """One line: how many ops, how many run on each family, and which fell back past an implementation
+    the policy ranks higher (grouped by that implementation and its reason, so a library missing on this
+    machine is named once, not once per op)."""
+    families: dict[str, int] = {}
+    fell_back: dict[tuple[str, str], list[str]] = {}
+    for r in table.resolutions.values():
+        family = r.chosen.split(".", 1)[0] if r.chosen else "none"
+        families[family] = families.get(family, 0) + 1
+        for c in r.candidates:  # the tried ones come first, in policy order; the excluded ones after
+            if c.impl == r.chosen or r.chosen is None:
+                break
+            if not c.available:
+                fell_back.setdefault((c.impl, c.reason), []).append(r.op)
+    counts = ", ".join(f"{n} {f}" for f, n in sorted(families.items(), key=lambda kv: (-kv[1], kv[0])))
+    n = len(table.resolutions)
+    line = f"op dispatch on {table.platform.name} (policy {table.policy.describe()}): {n} op{'s' * (n != 1)}, {counts}"
+    ops_fell = sorted({op for group in fell_back.values() for op in group})
+    if ops_fell:
+        line += f"; {len(ops_fell)} fell back: " + "; ".join(
+            f"{', '.join(ops)} past {impl} ({reason})" for (impl, reason), ops in fell_back.items())
+    else:
+        line += "; none fell back"
+    for p in table._registry.plugins:
+        if not p.loaded:
+            line += f"; plugin {p.name} not loaded: {p.reason}"
+    return line + " (every candidate and why: `turnout ops`, or the DEBUG log)"
+
+
 def log_table(table: OpTable, log: logging.Logger = logger) -> None:
-    """The one start-up log record: op -> chosen -> why each other candidate was skipped."""
-    failed = [p for p in table._registry.plugins if not p.loaded]
-    extra = "".join(f"\nplugin {p.name} not loaded: {p.reason}" for p in failed)
-    log.info("op dispatch on %s (policy %s):\n%s%s", table.platform.name, table.policy.describe(),
-             table.format_table(), extra)
+    """At start-up: one INFO line (``summary_line``); the whole table (op -> chosen -> why each other
+    candidate was skipped) at DEBUG."""
+    log.info("%s", summary_line(table))
+    if log.isEnabledFor(logging.DEBUG):
+        failed = [p for p in table._registry.plugins if not p.loaded]
+        extra = "".join(f"\nplugin {p.name} not loaded: {p.reason}" for p in failed)
+        log.debug("op dispatch table on %s (policy %s):\n%s%s", table.platform.name, table.policy.describe(),
+                  table.format_table(), extra)
