@@ -4,7 +4,8 @@ each setting, time replays, check the logits.
     python benchmarks/decode_step_ab.py --model benchmarks/configs/qwen3_30b_a3b.json \
         --settings '[{}, {"TURNOUT_SMALL_M_TILES": "{\"2048,4096\": [8, 1024, 4, 4]}"}, {"TURNOUT_PDL": "0"}]'
 
-A setting is a set of environment variables read when kernels launch, hence at capture: ``TURNOUT_PDL``,
+A setting is a set of environment variables (re-read through ``turnout.envs.reload()`` before each capture, and
+looked up when kernels launch, hence at capture): ``TURNOUT_PDL``,
 and the tile overrides of turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``,
 ``TURNOUT_MOE_DECODE_CONFIG``). Model switches are also accepted: ``"model:fused_prenorm": "0"`` captures
 the step with the plain pre-norm kernels instead of norms fused into the projections (``use_fused_prenorm``),
@@ -87,7 +88,7 @@ def main() -> int:
         return 2
 
     from benchmarks.common import graph_replay_rounds
-    from turnout import LLM
+    from turnout import LLM, envs
     from turnout.engine.cuda_graphs import maybe_capture
     from turnout.entrypoints.bench_models import resolve_model
     from turnout.utils.roofline import copy_bandwidth, model_geometry
@@ -118,6 +119,7 @@ def main() -> int:
         os.environ.clear()
         os.environ.update(base_env)
         os.environ.update({k: v for k, v in setting.items() if not k.startswith("model:")})
+        envs.reload()  # turnout reads the environment once; the kernels see this setting from the next capture
         fused = setting.get("model:fused_prenorm", "1") != "0"
         use_fused_prenorm(runner.model, fused_op if fused else None, fused_when)
         use_rope_attention(runner.model, rope_op if setting.get("model:rope_attention", rope_default) == "1" else None)
@@ -155,6 +157,7 @@ def main() -> int:
         runner.graphs = None
     os.environ.clear()
     os.environ.update(base_env)
+    envs.reload()
     use_fused_prenorm(runner.model, fused_op, fused_when)
     use_rope_attention(runner.model, rope_wired)
     summary = {"fused_prenorm_available": fused_op is not None, "rope_attention_available": rope_op is not None,

@@ -13,6 +13,16 @@ if not _has_gpu:
 
 import pytest  # noqa: E402
 
+from turnout import envs  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _envs_follow_the_environment():
+    """turnout.envs reads the environment once; a test that changes it calls ``envs.reload()``, and this puts
+    the process's settings back after the test (autouse: torn down after monkeypatch has undone its changes)."""
+    yield
+    envs.reload()
+
 
 def pytest_collection_modifyitems(config, items):
     if _has_gpu:

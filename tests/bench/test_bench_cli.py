@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from turnout import envs
 from turnout.entrypoints import bench_cmd
 from turnout.entrypoints.cli import main as cli_main
 
@@ -86,6 +87,7 @@ def test_bundled_config_names(tmp_path, monkeypatch):
     root.mkdir()
     (root / "qwen3_30b_a3b.json").write_text(json.dumps(TINY))
     monkeypatch.setenv("TURNOUT_BENCH_CONFIGS", str(root))
+    envs.reload()
     path, bundled = bench_cmd.resolve_model("qwen3-30b-a3b")
     assert bundled and json.loads(Path(path, "config.json").read_text()) == TINY
     assert bench_cmd.resolve_model(str(root / "qwen3_30b_a3b.json"))[1]

@@ -65,18 +65,23 @@ def test_decode_config_from_the_environment(monkeypatch):
     are ValueErrors naming the variable."""
     from turnout.ops.triton import moe_decode
 
+    from turnout import envs
+
     monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", '{"block_n2": 16, "block_k2": 16, "num_stages2": 1}')
+    envs.reload()
     cfg = moe_decode._env_config()
     assert (cfg.block_n2, cfg.block_k2, cfg.num_stages2, cfg.block_n1) == (16, 16, 1, moe_decode.DEFAULT_CONFIG.block_n1)
     gen = torch.Generator().manual_seed(12)
     problem = _problem(gen, 2, 32, 48, 16, 2, torch.float32)
     _check(moe_experts_decode(*problem), *problem, torch.float32)
     monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", '{"one_token": 0}')
+    envs.reload()
     assert moe_decode._env_config().one_token == 0
     for bad in ('{"block_n3": 16}', "not json", "[16]", '{"block_n2": "64"}', '{"block_k1": 0}', '{"one_token": 2}',
                 '{"one_token": true}', '{"one_token_gate_up": 1}'):
         monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", bad)
-        with pytest.raises(ValueError, match="TURNOUT_MOE_DECODE_CONFIG"):
+        with pytest.raises(ValueError, match="TURNOUT_MOE_DECODE_CONFIG"):  # at start-up, or names at launch
+            envs.reload()
             moe_experts_decode(*problem)
 
 

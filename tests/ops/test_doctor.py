@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from turnout import envs
 from turnout.entrypoints import cli
 from turnout.ops import Impl, build_registry, doctor
 
@@ -33,6 +34,7 @@ def _cpu_default(registry, op):
 
 def test_json_shape(registry, monkeypatch):
     monkeypatch.delenv("TURNOUT_OPS", raising=False)
+    envs.reload()
     rc, text = run_main(registry, as_json=True, device="cpu")
     assert rc == 0
     rows = json.loads(text)
@@ -48,6 +50,7 @@ def test_json_shape(registry, monkeypatch):
 
 def test_text_shape(registry, monkeypatch):
     monkeypatch.delenv("TURNOUT_OPS", raising=False)
+    envs.reload()
     rc, text = run_main(registry, device="cpu")
     assert rc == 0
     assert text.startswith("platform: cpu")
@@ -60,6 +63,7 @@ def test_text_shape(registry, monkeypatch):
 
 def test_honours_turnout_ops(registry, monkeypatch):
     monkeypatch.setenv("TURNOUT_OPS", "rms_norm=reference.torch;deny=triton")
+    envs.reload()
     rc, text = run_main(registry, as_json=True, device="cpu", ops=["rms_norm", "silu_and_mul"])
     rows = {r["op"]: r for r in json.loads(text)}
     assert set(rows) == {"rms_norm", "silu_and_mul"}
@@ -71,6 +75,7 @@ def test_honours_turnout_ops(registry, monkeypatch):
 
 def test_strict_policy_shows_the_error_instead_of_crashing(registry, monkeypatch):
     monkeypatch.setenv("TURNOUT_OPS", "rms_norm=vendor.cuda|reference.torch;strict=1")
+    envs.reload()
     rc, text = run_main(registry, device="cpu", ops=["rms_norm"])
     assert rc == 1
     assert "rms_norm  ->  NONE" in text and "! op 'rms_norm' on platform cpu: strict policy" in text
@@ -133,6 +138,7 @@ def _turnout(*args, env_extra=None):
 
 def test_cli_json(monkeypatch, capsys):
     monkeypatch.delenv("TURNOUT_OPS", raising=False)
+    envs.reload()
     assert cli.main(["ops", "--json", "--op", "rms_norm", "--op", "sample"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["op"] for r in rows] == ["rms_norm", "sample"]
@@ -144,6 +150,7 @@ def test_cli_json(monkeypatch, capsys):
                                           ("strict=2", "strict must be 0 or 1")])
 def test_cli_bad_turnout_ops_is_one_line_and_exit_2(value, needle, monkeypatch, capsys):
     monkeypatch.setenv("TURNOUT_OPS", value)
+    envs.reload()
     assert cli.main(["ops"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("turnout ops: error: ")

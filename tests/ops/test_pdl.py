@@ -4,12 +4,14 @@ launched with it inside a CUDA graph computes exactly what the same chain comput
 import pytest
 import torch
 
+from turnout import envs
 from turnout.ops.triton import _pdl
 
 
 def test_off_on_cpu_and_when_the_environment_says_so(monkeypatch):
     assert _pdl.pdl_args(torch.zeros(1)) == {"PDL": 0}
     monkeypatch.setenv("TURNOUT_PDL", "0")
+    envs.reload()
     assert not _pdl.pdl_enabled(torch.device("cuda", 0))
 
 
@@ -17,13 +19,16 @@ def test_early_launch_names(monkeypatch):
     """TURNOUT_PDL_EARLY names the kernels that let their dependent launch before they wait (PDL=2); an unknown
     name is a ValueError naming the variable and the known names."""
     monkeypatch.setenv(_pdl.EARLY_ENV, "attention_merge, linear")
+    envs.reload()
     assert _pdl.early_kernels() == {"attention_merge", "linear"}
     monkeypatch.setenv(_pdl.EARLY_ENV, "")
+    envs.reload()
     assert _pdl.early_kernels() == frozenset()
     monkeypatch.setenv(_pdl.EARLY_ENV, "attention,o_proj")
-    with pytest.raises(ValueError, match="TURNOUT_PDL_EARLY.*o_proj"):
-        _pdl.early_kernels()
+    with pytest.raises(ValueError, match="TURNOUT_PDL_EARLY.*o_proj"):  # at start-up (turnout.envs)
+        envs.reload()
     monkeypatch.delenv(_pdl.EARLY_ENV)
+    envs.reload()
     assert _pdl.early_kernels() == _pdl.EARLY_DEFAULT <= _pdl.KERNEL_NAMES
     with pytest.raises(ValueError, match="o_proj"):  # a launch site naming a kernel the switch cannot name
         _pdl.pdl_args(torch.zeros(1), "o_proj")
@@ -58,6 +63,7 @@ def test_gpu_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch):
     for mode, early in (("1", ""), ("0", ""), ("1", "linear")):  # early: each projection launches the next early
         monkeypatch.setenv("TURNOUT_PDL", mode)
         monkeypatch.setenv(_pdl.EARLY_ENV, early)
+        envs.reload()
         x, r = x0.clone(), r0.clone()
         _chain(x.clone(), r.clone(), weights, norm_w, 2)  # compile
         graph = torch.cuda.CUDAGraph()

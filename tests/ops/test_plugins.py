@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from turnout import envs
 from turnout.ops import Policy, build_registry, resolve
 from turnout.platforms import Platform, detect_platform, probe_all
 
@@ -188,6 +189,7 @@ def test_turnout_ops_text_reports_broken_plugin(installed, monkeypatch, capsys):
     from turnout.entrypoints import cli
 
     monkeypatch.setenv("TURNOUT_OPS", "deny=vendor.fakechip")
+    envs.reload()
     monkeypatch.setattr("turnout.ops.registry._default", None)  # scan the entry points afresh
     try:
         assert cli.main(["ops", "--op", "silu_and_mul,rms_norm"]) == 0

@@ -2,6 +2,7 @@
 
 import pytest
 
+from turnout import envs
 from turnout.ops import Policy, PolicyError, build_registry, resolve
 from turnout.platforms import Platform
 
@@ -61,6 +62,7 @@ def test_env_on_top_of_config():
 
 def test_env_alone_and_blank_env(monkeypatch):
     monkeypatch.setenv("TURNOUT_OPS", "prefer=reference")
+    envs.reload()
     assert Policy.from_sources().prefer == ("reference",)
     assert Policy.from_sources(env={"TURNOUT_OPS": "   "}).source == "default"
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 
 import torch
 
+from turnout import envs
 from turnout.engine.cuda_graphs import maybe_capture
 from turnout.layers.attention import AttentionMetadata
 from turnout.layers.sampler import SamplingBatch, sample
@@ -86,7 +86,7 @@ class ModelRunner:
                 from turnout.ops.triton.linear import norm_fusion_pays as when
             use_fused_prenorm(self.model, lambda x, r, nw, eps, w, b=None: ops.add_rms_norm_linear(
                 x, r, nw, eps, w, b), when)
-        if os.environ.get(ROPE_ATTENTION_ENV, "1") != "0" and _kernel_chosen(ops, "rotary_paged_attention"):
+        if envs.get().rope_attention and _kernel_chosen(ops, "rotary_paged_attention"):
             from turnout.layers.attention import use_rope_attention
 
             # decode: q/k norm, RoPE and the cache write inside the attention kernel (-1.9 % per Qwen3-30B-A3B

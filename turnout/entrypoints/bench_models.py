@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 import shutil
 import tempfile
 from pathlib import Path
+
+from turnout import envs
 
 logger = logging.getLogger("turnout.entrypoints.bench_cmd")
 
@@ -15,8 +16,8 @@ logger = logging.getLogger("turnout.entrypoints.bench_cmd")
 # ---- model names ---------------------------------------------------------------------------------
 def config_roots() -> list[Path]:
     roots = []
-    if os.environ.get("TURNOUT_BENCH_CONFIGS"):
-        roots.append(Path(os.environ["TURNOUT_BENCH_CONFIGS"]))
+    if envs.get().bench_configs is not None:
+        roots.append(envs.get().bench_configs)
     roots.append(Path(__file__).resolve().parents[2] / "benchmarks" / "configs")
     roots.append(Path.cwd() / "benchmarks" / "configs")
     return [r for i, r in enumerate(roots) if r.is_dir() and r.resolve() not in {x.resolve() for x in roots[:i]}]

@@ -7,6 +7,8 @@ import importlib
 import logging
 import sys
 
+from turnout import envs
+
 SUBCOMMANDS = {
     "generate": ("turnout.entrypoints.generate_cmd", "generate text offline"),
     "serve": ("turnout.entrypoints.openai.serve_cmd", "run the OpenAI-compatible server"),
@@ -27,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        envs.get()  # the environment, read once at start-up: a malformed variable is one line naming it
+    except ValueError as e:
+        print(f"turnout: error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

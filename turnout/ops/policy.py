@@ -17,10 +17,10 @@ order of each op it names; ``deny`` lists add up. Read once, at engine start; ne
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field, replace
 
+from turnout import envs
 from turnout.ops.spec import KNOWN_FAMILIES
 
 ENV_VAR = "TURNOUT_OPS"
@@ -101,14 +101,13 @@ class Policy:
     def from_sources(cls, config_text: str | None = None, env: dict | None = None,
                      platform=None) -> "Policy":
         """Platform default, then the engine config's policy, then ``TURNOUT_OPS``. Read once."""
-        env = os.environ if env is None else env
+        env_text = envs.get().ops if env is None else env.get(ENV_VAR)
         pol = cls()
         default_text = getattr(platform, "ops_policy", "") if platform is not None else ""
         if default_text:
             pol = cls.parse(default_text, source=f"platform {platform.name} default", base=pol)
         if config_text:
             pol = cls.parse(config_text, source="ops_policy", base=pol)
-        env_text = env.get(ENV_VAR)
         if env_text and env_text.strip():
             pol = cls.parse(env_text, source=ENV_VAR, base=pol)
         return pol

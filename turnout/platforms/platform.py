@@ -51,11 +51,11 @@ class Platform:
 
     def triton_usable(self) -> tuple[bool, str]:
         """Whether Triton kernels can run on this platform's tensors right now."""
-        import os
+        from turnout import envs
 
         if self.triton_backend:
             return True, "compiled Triton backend"
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if envs.get().triton_interpret:
             return True, "TRITON_INTERPRET=1 (interpreter, for tests)"
         return False, f"Triton has no backend for {self.name} (TRITON_INTERPRET=1 runs the interpreter)"
 

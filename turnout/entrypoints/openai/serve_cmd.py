@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
+
+from turnout import envs
 
 logger = logging.getLogger("turnout.serve")
 
@@ -20,7 +21,7 @@ def add_arguments(p) -> None:
                    help="HF model id, local directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("TURNOUT_API_KEY"),
+    p.add_argument("--api-key", default=envs.get().api_key,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TURNOUT_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the model answers to in the API (default: the model's name)")

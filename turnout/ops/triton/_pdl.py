@@ -25,11 +25,12 @@ kernels compile exactly as before).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from turnout import envs
 
 try:  # Triton >= 3.3 (NVIDIA backend)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -43,7 +44,7 @@ EARLY_ENV = "TURNOUT_PDL_EARLY"
 # split merge early, o_proj reads its weights during decode attention, and attention slows by more than
 # o_proj gains.
 EARLY_DEFAULT = frozenset()
-KERNEL_NAMES = frozenset({"attention", "attention_merge", "linear", "routing", "moe_gate_up", "moe_down"})
+KERNEL_NAMES = envs.PDL_KERNEL_NAMES  # declared in turnout/envs.py, which validates TURNOUT_PDL_EARLY against it
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def pdl_wait(PDL: tl.constexpr):
 
 @functools.lru_cache(maxsize=None)
 def _supported(device_index: int) -> bool:
-    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
+    if gdc_wait is None or envs.get().triton_interpret or torch.version.hip:
         return False
     if torch.cuda.get_device_capability(device_index) < (9, 0):
         return False
@@ -71,7 +72,7 @@ def _supported(device_index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("TURNOUT_PDL", "1") == "0":
+    if device.type != "cuda" or not envs.get().pdl:
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -79,14 +80,8 @@ def pdl_enabled(device: torch.device) -> bool:
 def early_kernels() -> frozenset:
     """The kernel names that launch their dependent before waiting: ``TURNOUT_PDL_EARLY`` (comma-separated
     names from ``KERNEL_NAMES``; empty: none) when set, else ``EARLY_DEFAULT``."""
-    text = os.environ.get(EARLY_ENV)
-    if text is None:
-        return EARLY_DEFAULT
-    names = frozenset(n.strip() for n in text.split(",") if n.strip())
-    unknown = sorted(names - KERNEL_NAMES)
-    if unknown:
-        raise ValueError(f"{EARLY_ENV}: unknown kernel name(s) {unknown}; known: {sorted(KERNEL_NAMES)}")
-    return names
+    names = envs.get().pdl_early  # validated against KERNEL_NAMES by turnout.envs
+    return EARLY_DEFAULT if names is None else names
 
 
 def pdl_args(t: torch.Tensor, kernel: str | None = None) -> dict:

@@ -1,39 +1,40 @@
-"""Tile overrides from the environment, for tuning a kernel inside a real decode step.
+"""Tile overrides, for tuning a kernel inside a real decode step.
 
 A tile that is fastest for a kernel alone is not always fastest in a captured decode step, where the
 kernel overlaps its neighbours (PDL) and shares L2 with them. ``benchmarks/decode_step_ab.py`` re-captures
-the step under several settings in one process; these variables are how it sets tiles without editing
-code. Unset, the built-in choices apply. They are read when a kernel is launched, i.e. at graph capture.
+the step under several settings in one process; these settings are how it sets tiles without editing
+code. Unset, the built-in choices apply. They come from ``turnout.envs`` (parsed and validated there, once;
+``envs.reload()`` re-reads them, which the benchmark does before each capture), and a kernel looks them up
+when it is launched, i.e. at graph capture:
 
-* ``TURNOUT_SMALL_M_TILES``: ``{"N,K": [block_n, block_k, num_warps, num_stages], ...}`` for the one-row
-  path of ``small_m_linear`` (turnout/ops/triton/linear.py);
-* ``TURNOUT_MOE_DECODE_CONFIG``: ``{"field": value, ...}``, fields of ``DecodeConfig``
-  (turnout/ops/triton/moe_decode.py);
-* ``TURNOUT_ATTN_DECODE``: ``{"num_splits": n, "block_n": n, "num_warps": n, "num_stages": n}`` (any
-  subset) fixes the decode attention's split count (1: never split), KV tile and launch parameters
-  (turnout/ops/triton/attention.py).
+* ``TURNOUT_SMALL_M_TILES`` (``small_m_tiles()``): ``{"N,K": [block_n, block_k, num_warps, num_stages], ...}``
+  for the one-row path of ``small_m_linear`` (turnout/ops/triton/linear.py);
+* ``TURNOUT_MOE_DECODE_CONFIG`` (``moe_decode_fields()``): ``{"field": value, ...}``, fields of
+  ``DecodeConfig`` (turnout/ops/triton/moe_decode.py);
+* ``TURNOUT_ATTN_DECODE`` (``attn_decode()``): ``{"num_splits": n, "block_n": n, "num_warps": n,
+  "num_stages": n}`` (any subset) fixes the decode attention's split count (1: never split), KV tile and
+  launch parameters (turnout/ops/triton/attention.py).
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import os
+from typing import Mapping
+
+from turnout import envs
 
 
-@functools.lru_cache(maxsize=32)
-def _parse(name: str, text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{name} is not valid JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {text!r}")
-    return value
+def small_m_tiles() -> Mapping[tuple[int, int], tuple[int, int, int, int]]:
+    return envs.get().small_m_tiles
 
 
-def env_object(name: str) -> dict:
-    """The JSON object in environment variable ``name`` ({} when unset or empty); ValueError naming the
-    variable when it is not a JSON object."""
-    text = os.environ.get(name, "").strip()
-    return _parse(name, text) if text else {}
+def moe_decode_fields() -> Mapping[str, int | None]:
+    return envs.get().moe_decode_config
+
+
+def attn_decode() -> Mapping[str, int]:
+    return envs.get().attn_decode
+
+
+def interpreted() -> bool:
+    """Whether Triton runs in its interpreter (TRITON_INTERPRET=1: CPU tests)."""
+    return envs.get().triton_interpret

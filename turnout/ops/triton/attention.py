@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
-from turnout.ops.triton._tuning import env_object
+from turnout.ops.triton._tuning import attn_decode
 
 LOG2E = 1.4426950408889634
 
@@ -268,13 +268,7 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     cfg = _tiles(max_query_len, group, head_dim)
     num_head_tiles = triton.cdiv(group, cfg["G_TILE"])
     if max_query_len <= _SPLIT_MAX_Q:
-        tuning = env_object(TUNING_ENV)
-        for key in ("num_splits", "block_n", "num_warps", "num_stages"):
-            value = tuning.get(key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{TUNING_ENV}: {key} must be a positive integer, got {value!r}")
-        if "block_n" in tuning and (tuning["block_n"] < 16 or tuning["block_n"] & (tuning["block_n"] - 1)):
-            raise ValueError(f"{TUNING_ENV}: block_n must be a power of two >= 16, got {tuning['block_n']!r}")
+        tuning = attn_decode()  # validated by turnout.envs
         cfg.update({key.upper() if key == "block_n" else key: tuning[key]
                     for key in ("block_n", "num_warps", "num_stages") if key in tuning})
         if num_splits is None:

@@ -83,9 +83,9 @@ def _check_blocks(*tensors: torch.Tensor) -> None:
 
 
 def _triton_runs_on(device: torch.device) -> bool:
-    import os
+    from turnout import envs
 
-    return device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type != "cpu" or envs.get().triton_interpret
 
 
 def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:

@@ -22,7 +22,6 @@ with PDL (docs/benchmarks.md, fourth session): a kernel that is best alone is no
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +30,9 @@ import triton.language as tl
 
 from turnout.ops.reference.linear import MAX_M
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
-from turnout.ops.triton._tuning import env_object
+from turnout.ops.triton._tuning import interpreted, small_m_tiles
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = interpreted()
 TILES_ENV = "TURNOUT_SMALL_M_TILES"  # one-row tile overrides by "N,K" (turnout/ops/triton/_tuning.py)
 
 
@@ -188,12 +187,8 @@ def pick_config(m: int, n: int, k: int) -> SmallMConfig:
     (where ``TURNOUT_SMALL_M_TILES`` may override them by N and K)."""
     if block_m_for(m) == 16:
         return SmallMConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
-    override = env_object(TILES_ENV).get(f"{n},{k}")
+    override = small_m_tiles().get((n, k))  # validated by turnout.envs
     if override is not None:
-        if (not isinstance(override, list) or len(override) != 4
-                or not all(isinstance(v, int) and v > 0 for v in override)):
-            raise ValueError(f"{TILES_ENV}[{n},{k}] must be [block_n, block_k, num_warps, num_stages] of positive "
-                             f"ints, got {override!r}")
         return SmallMConfig(*override)
     if n <= 1024:  # MoE routers (N = experts), small models: few rows per program, so at least ~64 programs
         return SmallMConfig(block_n=_pow2_floor(max(1, min(8, n // 64))), block_k=2048, num_warps=4, num_stages=2)

@@ -18,16 +18,16 @@ The routing is consumed as given: this file never looks at scores or recomputes 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from turnout.ops.triton._tuning import interpreted
 from turnout.ops.triton.moe_decode import moe_experts_decode, use_decode
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = interpreted()
 
 
 def _next_pow2(n: int) -> int:

@@ -28,7 +28,6 @@ The routing is consumed as given (seed 001).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,10 +35,10 @@ import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
-from turnout.ops.triton._tuning import env_object
+from turnout.ops.triton._tuning import interpreted, moe_decode_fields
 from turnout.ops.triton.moe_one_token import one_token_down_kernel
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = interpreted()
 
 # Up to this many (token, slot) pairs per expert on average the decode path is used (Qwen3-30B-A3B:
 # T * 8 / 128 <= 4, i.e. T <= 64); beyond, the sorted grouped GEMM. Also always for T * k <= 128.
@@ -82,23 +81,16 @@ CONFIG_ENV = "TURNOUT_MOE_DECODE_CONFIG"  # field overrides (turnout/ops/triton/
 
 
 def _env_config() -> DecodeConfig:
-    fields = env_object(CONFIG_ENV)
+    fields = moe_decode_fields()  # JSON and value types validated by turnout.envs; the names here
     if not fields:
         return DEFAULT_CONFIG
     unknown = sorted(set(fields) - set(DecodeConfig.__dataclass_fields__))
     if unknown:
         raise ValueError(f"{CONFIG_ENV}: unknown DecodeConfig field(s) {unknown}; known: "
                          f"{sorted(DecodeConfig.__dataclass_fields__)}")
-    for name, value in fields.items():
-        optional = name in ("num_warps2", "num_stages2")
-        is_int = isinstance(value, int) and not isinstance(value, bool)
-        if name == "one_token":
-            if not (is_int and value in (0, 1)):
-                raise ValueError(f"{CONFIG_ENV}: {name} must be 0 or 1, got {value!r}")
-            continue
-        if not ((is_int and value > 0) or (optional and value is None)):
-            raise ValueError(f"{CONFIG_ENV}: {name} must be a positive int{' or null' if optional else ''}, "
-                             f"got {value!r}")
+    nulls = sorted(name for name, value in fields.items() if value is None and name not in ("num_warps2", "num_stages2"))
+    if nulls:
+        raise ValueError(f"{CONFIG_ENV}: {nulls} must be positive ints (only num_warps2 / num_stages2 may be null)")
     return replace(DEFAULT_CONFIG, **fields)
 
 
