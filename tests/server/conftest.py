@@ -29,12 +29,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict | None = None):
+    def __init__(self, *args: str, env: dict | None = None, entry: tuple[str, ...] = ("-m", "turnout.entrypoints.cli")):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"turnout-serve-{self.port}.log"
         self._log = open(self.log_path, "w+")
-        cmd = [sys.executable, "-m", "turnout.entrypoints.cli", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, *entry, "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
 

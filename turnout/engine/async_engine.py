@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from turnout.engine.llm_engine import EngineStats
 from turnout.engine.outputs import RequestOutput
@@ -113,8 +114,10 @@ class _Tracked:
 
 class AsyncLLMEngine:
     def __init__(self, engine, *, max_queue: int = 1024, max_num_seqs: int = 256,
-                 observer: EngineObserver | None = None, idle_poll_s: float = 0.5):
+                 observer: EngineObserver | None = None, idle_poll_s: float = 0.5,
+                 on_dead: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        self.on_dead = on_dead  # called on the event loop once the engine thread has died
         self.max_queue = max_queue
         self.max_num_seqs = max_num_seqs
         self.observer = observer or EngineObserver()
@@ -334,11 +337,15 @@ class AsyncLLMEngine:
             self._aborting -= aborted
 
     def _die(self, exc: BaseException) -> None:
+        """A fault no request owns: nothing the engine holds can be trusted any more. Every waiting caller
+        gets an error now, the gauges read zero (nothing runs), and ``on_dead`` tells the server, which
+        exits non-zero so that its supervisor restarts it."""
         self.dead = exc
         err = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
         with self._lock:
             tracked, self._tracked = list(self._tracked.values()), {}
             self._unaccounted = self._aborting = 0
+            self.stats = EngineStats()
         for t in tracked:
             self._call_soon(t.stream._fail, err)
         # Commands that raced in after the failure: fail their streams too.
@@ -349,3 +356,5 @@ class AsyncLLMEngine:
                     self._call_soon(cmd[4]._fail, err)
         except queue.Empty:
             pass
+        if self.on_dead is not None:
+            self._call_soon(self.on_dead, exc)

@@ -43,8 +43,9 @@ class ServerState:
     drain_timeout: float = 30.0
     on_ready: Callable[["ServerState"], None] | None = None
     on_load_failed: Callable[[BaseException], None] | None = None
+    on_engine_dead: Callable[[BaseException], None] | None = None  # the engine thread died (event loop)
     # filled in at start-up
-    phase: str = "loading"  # loading | ready | failed | draining
+    phase: str = "loading"  # loading | ready | failed | draining | dead
     async_engine: AsyncLLMEngine | None = None
     max_model_len: int = 0
     vocab_size: int = 0
@@ -72,7 +73,7 @@ class ServerState:
             ops = getattr(engine, "ops", None)
             self.ops_report = list(ops.report()) if ops is not None and hasattr(ops, "report") else []
             self.async_engine = AsyncLLMEngine(engine, max_queue=self.max_queue, max_num_seqs=self.max_num_seqs,
-                                               observer=self.metrics).start()
+                                               observer=self.metrics, on_dead=self._engine_died).start()
         except BaseException as e:  # noqa: BLE001
             self.phase = "failed"
             logger.error("model loading failed: %s: %s", type(e).__name__, e,
@@ -84,12 +85,26 @@ class ServerState:
         if self.on_ready:
             self.on_ready(self)
 
+    def _engine_died(self, exc: BaseException) -> None:
+        # The engine has already failed every waiting request; /health turns 503, new requests get 503.
+        self.phase = "dead"
+        logger.error("the engine died (%s: %s): every request failed; the server will exit non-zero",
+                     type(exc).__name__, exc)
+        if self.on_engine_dead:
+            self.on_engine_dead(exc)
+
+    @property
+    def engine_dead(self) -> bool:
+        return self.phase == "dead" or (self.async_engine is not None and self.async_engine.dead is not None)
+
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         if self.async_engine is not None:
             await self.async_engine.shutdown(drain_timeout)
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
 
     def start_draining(self) -> None:
+        if self.phase == "dead":
+            return
         self.phase = "draining"
         if self.async_engine is not None:
             self.async_engine.start_draining()

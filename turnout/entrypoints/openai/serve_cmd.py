@@ -2,6 +2,11 @@
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, running ones finish (up to --drain-timeout), then the
 process exits 0. A second signal stops at once.
+
+Exit status: 0 after a drain; 1 when the model failed to load or the engine died. An engine that dies (a
+fault no request owns: a lost device, a broken kernel) fails every waiting client at once, and the
+process exits 1 --dead-engine-grace seconds later, so that systemd, Kubernetes or Ray restarts it; a
+signal to a server whose engine is dead exits 1 too. 2: a bad flag or an address already in use.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ def add_arguments(p) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM")
     p.add_argument("--timeout-keep-alive", type=int, default=5)
+    p.add_argument("--dead-engine-grace", type=float, default=3.0,
+                   help="seconds between the engine dying and the process exiting 1 (clients get their "
+                        "errors meanwhile; /health answers 503)")
 
 
 def build_config(args):
@@ -95,12 +103,20 @@ def run(args) -> int:
         if server is not None:
             server.should_exit = True
 
+    def on_engine_dead(exc):  # on the event loop
+        nonlocal exit_code
+        exit_code = 1
+        logger.error("exiting in %.1fs with status 1 (engine dead) so that a supervisor restarts the server",
+                     args.dead_engine_grace)
+        if server is not None:
+            asyncio.get_running_loop().call_later(max(args.dead_engine_grace, 0.0), server.exit_now)
+
     # As vLLM: the API name is --served-model-name, else the MODEL argument, else the engine's display name.
     names = args.served_model_name or ([args.model] if args.model else None)
     state = ServerState(engine_factory=make_engine, served_model_names=names,
                         api_key=args.api_key or None, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
                         max_request_bytes=args.max_request_bytes, drain_timeout=args.drain_timeout,
-                        on_ready=on_ready, on_load_failed=on_load_failed)
+                        on_ready=on_ready, on_load_failed=on_load_failed, on_engine_dead=on_engine_dead)
     app = build_app(state)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                                timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5,
@@ -110,6 +126,8 @@ def run(args) -> int:
     server.run()
     if server.started is False and exit_code == 0:
         exit_code = 1  # could not bind, for instance; uvicorn has logged why
+    if state.engine_dead:
+        exit_code = 1  # also when a signal, not the grace timer, ended a server whose engine had died
     return exit_code
 
 
@@ -131,6 +149,9 @@ class _DrainingServer:
                 self.state = state
                 self._drain_requested = False
                 self._drain_task = None
+
+            def exit_now(self):
+                self.should_exit = True
 
             def handle_exit(self, sig, frame):  # a signal handler: only set flags here
                 if self._drain_requested or self.state.phase != "ready":
