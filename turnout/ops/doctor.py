@@ -37,8 +37,12 @@ def summarize(results) -> list[dict]:
     summary: dict[tuple, dict] = {}
     for r in results:
         s = summary.setdefault((r.op, r.impl), {"op": r.op, "impl": r.impl, "passed": True, "cases": 0,
-                                                "failed": 0, "max_error": 0.0, "max_error_by_dtype": {},
-                                                "failures": []})
+                                                "failed": 0, "skipped": 0, "max_error": 0.0,
+                                                "max_error_by_dtype": {}, "failures": [], "skips": []})
+        if r.skipped:  # a case this machine cannot judge (the interpreter's own error): neither pass nor fail
+            s["skipped"] += 1
+            s["skips"].append(f"{r.dtype} {r.case}: {r.skipped}")
+            continue
         s["cases"] += 1
         s["max_error"] = max(s["max_error"], r.max_error)
         s["max_error_by_dtype"][r.dtype] = max(s["max_error_by_dtype"].get(r.dtype, 0.0), r.max_error)
@@ -56,17 +60,27 @@ def _write_check(out, platform, policy, rows, summary, as_json) -> None:
         return
     out.write(f"conformance on {platform.name} ({platform.description}), policy {policy.describe()}\n")
     tested = {(s["op"], s["impl"]) for s in summary}
+    w = max([len(r["op"]) for r in rows] + [20])
     for s in summary:
-        verdict = "PASS" if s["passed"] else f"FAIL ({s['failed']}/{s['cases']})"
-        by_dtype = ", ".join(f"{d} {e:.3g}" for d, e in s["max_error_by_dtype"].items())
-        out.write(f"  {s['op']:<20} {s['impl']:<18} {verdict:<14} max error {s['max_error']:.3g}"
-                  f"  ({by_dtype}; {s['cases']} cases)\n")
+        if s["cases"]:
+            verdict = "PASS" if s["passed"] else f"FAIL ({s['failed']}/{s['cases']})"
+            by_dtype = ", ".join(f"{d} {e:.3g}" for d, e in s["max_error_by_dtype"].items())
+            out.write(f"  {s['op']:<{w}} {s['impl']:<18} {verdict:<14} max error {s['max_error']:.3g}"
+                      f"  ({by_dtype}; {s['cases']} cases)\n")
         for f in s["failures"][:3]:
             out.write(f"      {f}\n")
+        if s["skipped"]:  # one line per reason: the cases and why they say nothing here
+            by_reason: dict[str, list[str]] = {}
+            for item in s["skips"]:
+                case, _, why = item.partition(": ")
+                by_reason.setdefault(why, []).append(case.split(" ", 1)[0])
+            for why, dtypes in by_reason.items():
+                out.write(f"  {s['op']:<{w}} {s['impl']:<18} {'SKIP (' + str(len(dtypes)) + ')':<14} "
+                          f"{len(dtypes)} {'/'.join(sorted(set(dtypes)))} case(s): {why}\n")
     for row in rows:  # say what could not be tested here, and why
         for c in row["candidates"]:
             if c["impl"] != "reference.torch" and (row["op"], c["impl"]) not in tested:
-                out.write(f"  {row['op']:<20} {c['impl']:<18} {'SKIP':<14} {c['reason']}\n")
+                out.write(f"  {row['op']:<{w}} {c['impl']:<18} {'SKIP':<14} {c['reason']}\n")
     if not summary:
         out.write("  no non-reference implementation is available here\n")
 
