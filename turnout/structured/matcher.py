@@ -1,0 +1,101 @@
+"""Per-sequence grammar state: which tokens may come next, and the tokens accepted so far.
+
+One ``GrammarState`` a sequence (a request with n > 1 has n of them: ``fork``). The engine's loop with
+async scheduling: after step N's token of a sequence is known on the host, ``accept_token`` it, then
+``fill_bitmask`` its row for step N + 1 while the device still runs step N; the mask goes up with the
+step's other sampling inputs and ``apply_token_bitmask`` runs just before the sampler.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """[rows, ceil(V/32)] int32 on the host, every token allowed (-1 is all 32 bits set)."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin_memory)
+
+
+class GrammarState:
+    def __init__(self, compiled, vocab_size: int, _matcher=None):
+        import xgrammar as xgr
+
+        self.compiled = compiled
+        self.vocab_size = vocab_size
+        self._matcher = _matcher if _matcher is not None else xgr.GrammarMatcher(compiled)
+        self.num_accepted = 0  # tokens accepted since the start (what rollback can undo)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token. False: the grammar does not allow it here (the state is unchanged);
+        with the mask applied that cannot happen, so the engine fails the request."""
+        ok = self._matcher.accept_token(int(token_id))
+        if ok:
+            self.num_accepted += 1
+        return ok
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> int:
+        """Accept tokens in order until one is refused; returns how many were accepted."""
+        for n, t in enumerate(token_ids):
+            if not self.accept_token(t):
+                return n
+        return len(token_ids)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> bool:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32, on the host). Returns whether the row
+        forbids anything (False: every token is allowed, the row need not be applied). A terminated state
+        (its stop token accepted) allows only the stop tokens."""
+        if self._matcher.is_terminated():
+            bitmask[row].zero_()
+            for t in self._matcher.stop_token_ids:
+                bitmask[row, t // 32] |= _bit(t % 32)
+            return True
+        return bool(self._matcher.fill_next_token_bitmask(bitmask, row))
+
+    def is_terminated(self) -> bool:
+        """The grammar accepted a stop token: the sequence is finished."""
+        return self._matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """The text so far is a complete match (a stop token would be allowed now)."""
+        return self._matcher.is_completed()
+
+    def rollback(self, num_tokens: int = 1) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (a discarded lookahead token, a rejected draft)."""
+        if num_tokens < 0 or num_tokens > self.num_accepted:
+            raise ValueError(f"rollback of {num_tokens} tokens, but {self.num_accepted} were accepted")
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+
+    def reset(self) -> None:
+        """Back to the start (a preempted sequence recomputed from its prompt keeps its tokens: it does not
+        reset; this is for reuse)."""
+        self._matcher.reset()
+        self.num_accepted = 0
+
+    def fork(self) -> "GrammarState":
+        """An independent copy in the same state (n > 1 samples of one prompt)."""
+        twin = GrammarState(self.compiled, self.vocab_size, _matcher=self._matcher.fork())
+        twin.num_accepted = self.num_accepted
+        return twin
+
+
+def _bit(k: int) -> int:
+    """Bit k of an int32 word as a Python int in int32 range (bit 31 is the sign)."""
+    return -(2**31) if k == 31 else 1 << k
+
+
+def fill_batch_bitmask(states: Sequence[GrammarState | None], bitmask: torch.Tensor) -> list[int]:
+    """Fill row i of ``bitmask`` for every constrained sequence i of a batch (None: unconstrained, row left
+    as it is) and return the rows to apply: the ``indices`` argument of ``apply_token_bitmask``."""
+    rows = []
+    for i, state in enumerate(states):
+        if state is not None and state.fill_bitmask(bitmask, i):
+            rows.append(i)
+    return rows
