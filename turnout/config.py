@@ -27,6 +27,13 @@ class EngineConfig:
     async_scheduling: bool | None = None
     tokenizer: str | None = None
     served_model_name: str | None = None
+    # The most one request may cost, in tokens: n x (prompt + max_tokens) plus its logprob entries
+    # (n x max_tokens x (1 + logprobs)); a request over it is refused at admission. None: no limit.
+    max_tokens_per_request: int | None = None
+    # Fair scheduling: while other requests have work, one request runs at most this many of its
+    # sequences per step (or as many as the largest other request, if more), round-robin among them, so
+    # an n=128 request cannot make everyone's steps slow (engine/scheduler.py). None: no cap.
+    fair_share_seqs: int | None = 16
 
     def __post_init__(self):
         def bad(field, why):
@@ -46,5 +53,10 @@ class EngineConfig:
             bad("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_tokens_per_request is not None and (not isinstance(self.max_tokens_per_request, int)
+                                                        or self.max_tokens_per_request < 1):
+            bad("max_tokens_per_request", f"must be a positive integer or None, got {self.max_tokens_per_request!r}")
+        if self.fair_share_seqs is not None and (not isinstance(self.fair_share_seqs, int) or self.fair_share_seqs < 1):
+            bad("fair_share_seqs", f"must be a positive integer or None, got {self.fair_share_seqs!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             bad("load_format", f"unknown load format {self.load_format!r} (auto, safetensors, gguf, dummy)")

@@ -17,13 +17,15 @@ class LLM:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, load_format: str = "auto", seed: int = 0,
                  ops_policy: str | None = None, block_size: int = 16, enforce_eager: bool = False,
-                 tokenizer: str | None = None, async_scheduling: bool | None = None):
+                 tokenizer: str | None = None, async_scheduling: bool | None = None,
+                 max_tokens_per_request: int | None = None, fair_share_seqs: int | None = 16):
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                                    enable_prefix_caching=enable_prefix_caching, load_format=load_format, seed=seed,
                                    ops_policy=ops_policy, block_size=block_size, enforce_eager=enforce_eager,
-                                   tokenizer=tokenizer, async_scheduling=async_scheduling)
+                                   tokenizer=tokenizer, async_scheduling=async_scheduling,
+                                   max_tokens_per_request=max_tokens_per_request, fair_share_seqs=fair_share_seqs)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 
@@ -31,7 +33,7 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -40,7 +42,7 @@ class LLM:
         return self._run(list(prompts), sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.engine.apply_chat_template(c, add_generation_prompt) for c in convs]
@@ -62,21 +64,14 @@ class LLM:
             self.engine.abort_request(list(order))  # nothing half-admitted
             raise
         results: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(order), desc="generating", unit="req", dynamic_ncols=True)
-        generated = 0
+        bar = _ProgressBar(len(order)) if use_tqdm else None
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step(finished_only=True):
                     if out.finished:
                         results[out.request_id] = out
                         if bar is not None:
-                            generated += sum(len(c.token_ids) for c in out.outputs)
-                            bar.update(1)
-                            bar.set_postfix(tok_s=f"{generated / max(bar.format_dict['elapsed'], 1e-9):.1f}")
+                            bar.done(out)
         except BaseException:
             self.engine.abort_request([r for r in order if r not in results])
             raise
@@ -84,3 +79,26 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[r] for r in sorted(order, key=order.get)]
+
+
+class _ProgressBar:
+    """vLLM's progress bar: requests done out of all, with the estimated input and output speeds."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+
+    def done(self, out: RequestOutput) -> None:
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
+        self.bar.postfix = (f"est. speed input: {self.prompt_tokens / elapsed:.2f} toks/s, "
+                            f"output: {self.output_tokens / elapsed:.2f} toks/s")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

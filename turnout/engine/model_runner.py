@@ -12,7 +12,8 @@ import torch
 from turnout import envs
 from turnout.engine.cuda_graphs import maybe_capture
 from turnout.layers.attention import AttentionMetadata
-from turnout.layers.sampler import SamplingBatch, sample
+from turnout.engine.sequence import SequenceFaults
+from turnout.layers.sampler import SamplerOutput, SamplingBatch, sample
 
 ROPE_ATTENTION_ENV = "TURNOUT_ROPE_ATTENTION"  # "0": q/k norm + RoPE + cache write outside attention
 logger = logging.getLogger(__name__)
@@ -182,20 +183,27 @@ class ModelRunner:
         """Host lists -> (pinned) CPU tensors. Returns ids, positions, metadata and, per scheduled entry
         that samples, the index of its last token in the flattened batch. ``pending``: a lookahead
         decode step whose input tokens are still on the device (the ids returned are placeholders)."""
-        bs = self.block_size
         ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
         max_blocks = 1
+        faults = {}
         for s in scheduled:
             seq, start, n = s.seq, s.start, s.num_tokens
-            ids.extend([0] * n if pending else seq.token_ids[start:start + n])
+            try:
+                e_ids, e_slots = self._entry_inputs(s, pending)
+            except Exception as e:  # noqa: BLE001 - traced to this sequence: the core rebuilds the step
+                faults[seq.seq_id] = e
+                continue
+            ids.extend(e_ids)
             pos.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            slots.extend(e_slots)
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
             max_blocks = max(max_blocks, len(table))
             if s.sample:
                 sample_idx.append(qsl[-1] - 1)
+        if faults:
+            raise SequenceFaults(faults)
         tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
         t = self._host
         meta = AttentionMetadata(slot_mapping=t(slots, torch.long), block_tables=t(tables, torch.int32),
@@ -204,18 +212,59 @@ class ModelRunner:
                                  max_seq_len=max(lens))
         return t(ids, torch.long), t(pos, torch.long), meta, sample_idx
 
+    def _entry_inputs(self, s, pending: bool) -> tuple[list[int], list[int]]:
+        """One scheduled entry's input token ids and KV slots."""
+        seq, start, n, bs = s.seq, s.start, s.num_tokens, self.block_size
+        table = seq.block_table
+        return ([0] * n if pending else seq.token_ids[start:start + n],
+                [table[p // bs] * bs + p % bs for p in range(start, start + n)])
+
+    def _lane_values(self, seq, eos_ids: set[int], pending: int) -> tuple:
+        """One lane's sampling inputs, each made to fit its tensor here (admission checked them already;
+        this is what keeps a value that slipped through from overflowing a dtype inside the step):
+        top_k above the vocabulary is off, seeds are 63-bit, banned ids outside the vocabulary are
+        dropped (they must never wrap onto real tokens)."""
+        p = seq.params
+        vocab = self.vocab_size
+        step = seq.num_output_tokens + pending
+        banned = ()
+        if step < p.min_tokens:
+            ids = (set() if p.ignore_eos else eos_ids) | set(p.stop_token_ids)
+            banned = sorted(t for t in ids if 0 <= t < vocab)
+        top_k = p.top_k if 0 < p.top_k < vocab else 0
+        return (float(p.temperature), top_k, float(p.top_p), float(p.min_p), seq.seed % 2**63, step, banned)
+
     def build_sampling(self, lanes, rows: list[int], eos_ids: set[int], want_logprobs: int,
-                       pending: int = 0) -> SamplingBatch:
+                       pending: int = 0) -> tuple[SamplingBatch | None, dict[int, BaseException]]:
         """lanes: the sequences drawing a token, with rows[i] the logits row of lane i. ``pending``:
-        tokens each lane has drawn that are not in its ``output_token_ids`` yet (a lookahead step)."""
+        tokens each lane has drawn that are not in its ``output_token_ids`` yet (a lookahead step).
+        A lane whose inputs cannot be built is left out and reported (seq_id -> exception); None when
+        no lane is left."""
+        vals, faults, kept, kept_rows = [], {}, [], []
+        for seq, row in zip(lanes, rows):
+            try:
+                vals.append(self._lane_values(seq, eos_ids, pending))
+            except Exception as e:  # noqa: BLE001 - traced to this lane's request: it fails alone
+                faults[seq.seq_id] = e
+                continue
+            kept.append(seq)
+            kept_rows.append(row)
+        if not kept:
+            return None, faults
+        lanes = kept
         ps = [seq.params for seq in lanes]
+        temperature, top_k, top_p, min_p, seeds, steps, banned = (list(c) for c in zip(*vals))
         t = self._h2d
 
-        b = SamplingBatch(rows=t(rows, torch.long), temperature=t([p.temperature for p in ps], torch.float32),
-                          top_k=t([p.top_k if p.top_k > 0 else 0 for p in ps], torch.int32),
-                          top_p=t([p.top_p for p in ps], torch.float32), min_p=t([p.min_p for p in ps], torch.float32),
-                          seeds=t([seq.seed for seq in lanes], torch.long),
-                          steps=t([len(seq.output_token_ids) + pending for seq in lanes], torch.long))
+        b = SamplingBatch(rows=t(kept_rows, torch.long), temperature=t(temperature, torch.float32),
+                          top_k=t(top_k, torch.int32), top_p=t(top_p, torch.float32), min_p=t(min_p, torch.float32),
+                          seeds=t(seeds, torch.long), steps=t(steps, torch.long),
+                          seq_ids=[seq.seq_id for seq in lanes])
+        for i, seq in enumerate(lanes):  # per-request stages on the logits (never in a lookahead step)
+            if seq.params.logits_processors:
+                b.processors.append((i, list(seq.params.logits_processors), list(seq.output_token_ids)))
+            if seq.grammar is not None:
+                b.grammars.append((i, seq.grammar))
         if any(p.has_penalties for p in ps):
             if pending:
                 raise ValueError("penalties need every drawn token on the host: no lookahead step for them")
@@ -226,17 +275,11 @@ class ModelRunner:
             b.presence = t([p.presence_penalty for p in ps], torch.float32)
             b.frequency = t([p.frequency_penalty for p in ps], torch.float32)
             b.repetition = t([p.repetition_penalty for p in ps], torch.float32)
-        banned = []
-        for seq, p in zip(lanes, ps):
-            if len(seq.output_token_ids) + pending < p.min_tokens:
-                banned.append(sorted((set() if p.ignore_eos else eos_ids) | set(p.stop_token_ids)))
-            else:
-                banned.append([])
         if any(banned):
-            b.banned = t(_pad(banned), torch.long)
+            b.banned = t(_pad([list(x) for x in banned]), torch.long)
         b.want_logprobs = want_logprobs >= 0
         b.max_logprobs = max(want_logprobs, 0)
-        return b
+        return b, faults
 
     @torch.inference_mode()
     def execute(self, scheduled, lanes, lane_rows, eos_ids, want_logprobs: int = -1, copy_on_write=(),
@@ -263,17 +306,21 @@ class ModelRunner:
                 hidden = hidden.index_select(0, self._h2d(sample_idx, torch.long))
             logits = self.model.compute_logits(hidden)
         if self._upload is None:
-            batch = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
+            batch, faults = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
         else:  # queued behind the forward's own input copies, the sampling inputs' copies overlap the forward
             main = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._upload):
-                batch = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
+                batch, faults = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
             main.wait_stream(self._upload)
-            for f in dataclasses.fields(batch):  # made on the side stream, read on this one
+            for f in dataclasses.fields(batch) if batch is not None else ():  # made on the side stream, read on this one
                 t = getattr(batch, f.name)
                 if isinstance(t, torch.Tensor):
                     t.record_stream(main)
-        return sample(self.ops, logits, batch)
+        if batch is None:  # every lane failed
+            return SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device), faults=faults)
+        out = sample(self.ops, logits, batch)
+        out.faults.update(faults)
+        return out
 
 
     def start_readback(self, result):
@@ -290,7 +337,7 @@ class ModelRunner:
         with torch.cuda.stream(self._download):
             for f in dataclasses.fields(result):
                 t = getattr(result, f.name)
-                if t is not None:
+                if isinstance(t, torch.Tensor):  # not the faults (host-side already)
                     t.record_stream(self._download)
                     host[f.name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                     host[f.name].copy_(t, non_blocking=True)

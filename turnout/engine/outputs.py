@@ -20,7 +20,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # one dict per generated token: token id -> Logprob (the sampled token and the top-N)
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" (a fault traced to this request; stop_reason holds the
+    # message) | None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -46,3 +48,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = field(default=None)
+    # set when a fault traced to this request ended it (every completion then has finish_reason
+    # "error"): the message a server turns into an error for this client only
+    error: str | None = None

@@ -73,6 +73,9 @@ class SamplingParams:
     # token id -> bias added to its logit. Validated here (keys token ids, values finite in [-100, 100]);
     # the OpenAI server still refuses a non-empty one until the sampler applies it.
     logit_bias: dict[int, float] | None = None
+    # per-request hooks, as vLLM's: fn(output_token_ids, logits [V] f32) -> logits [V], applied before
+    # sampling (Python API only). One that raises fails its own request, never the step.
+    logits_processors: list | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self):
@@ -114,6 +117,9 @@ class SamplingParams:
         bad = next((t for t in ids if not (_is_int(t) and 0 <= t <= INT64_MAX)), None)
         need(bad is None, "stop_token_ids", f"must be a list of non-negative integers within int64, got {_short(bad)}")
         self.stop_token_ids = list(ids)
+        need(self.logits_processors is None or (isinstance(self.logits_processors, (list, tuple))
+                                                and all(callable(f) for f in self.logits_processors)),
+             "logits_processors", "must be a list of callables fn(output_token_ids, logits) -> logits")
         if self.logit_bias is not None:
             lb = self.logit_bias
             need(isinstance(lb, dict), "logit_bias", "must be a mapping of token id to bias")

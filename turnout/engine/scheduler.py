@@ -16,6 +16,13 @@ Policy, per step, within ``max_num_batched_tokens`` tokens:
 1. running sequences with one token to compute (decodes), oldest first: never starved by prompts;
 2. running sequences with more (a chunked prefill in progress, or a recompute), oldest first, each
    chunked to the remaining budget;
+Fairness: while more than one request has work, one request runs at most ``cap`` of its sequences in
+a step, where ``cap = max(fair_share_seqs, the most sequences any other request has)``: a request with
+n = 128 samples cannot make every step 128 rows long (on a CPU, 1.5 s) while a one-sample request waits
+behind it, and two large requests still run at full width. The sequences of a capped request take
+turns: those with the fewest output tokens go first. The preemption victim is taken from a request over
+its cap first.
+
 3. waiting sequences, first come first served (a preempted one goes back to the FRONT), each chunked to
    the remaining budget, while ``max_num_seqs`` and free blocks allow; the head of the queue that does
    not fit stops admission (no overtaking). Nothing is admitted in a step that preempted.
@@ -75,7 +82,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 fair_share_seqs: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError(f"Scheduler: max_num_seqs ({max_num_seqs}), max_num_batched_tokens "
                              f"({max_num_batched_tokens}) and max_model_len ({max_model_len}) must be >= 1")
@@ -83,6 +91,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.fair_share_seqs = fair_share_seqs  # None: no per-request cap (see the module docstring)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._next_seq_id = 0
@@ -134,9 +143,12 @@ class Scheduler:
         copies: dict[int, list[tuple[int, int]]] = {}
         preempted: list[Sequence] = []
 
+        caps = self._fair_caps()
+
         def preempt_newest() -> Sequence:
             nonlocal budget
-            victim = max(self.running, key=lambda s: (s.arrival_time, s.seq_id))
+            victim = max(self.running, key=lambda s: (caps is not None and caps[s.request_id] < counts[s.request_id],
+                                                      s.arrival_time, s.seq_id))
             entry = entries.pop(victim.seq_id, None)
             if entry is not None:  # scheduled earlier in this step: undo
                 budget += entry.num_tokens
@@ -156,6 +168,11 @@ class Scheduler:
             else:
                 raise RuntimeError(f"sequence {seq.seq_id} has nothing to compute: after a step that sampled "
                                    f"for it, the engine must append the token or finish the sequence")
+        counts: dict[str, int] = {}
+        for seq in self.running:
+            counts[seq.request_id] = counts.get(seq.request_id, 0) + 1
+        if caps is not None and any(counts[r] > caps[r] for r in counts):
+            decodes, prefills = self._take_turns(decodes, prefills, caps)
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -212,6 +229,37 @@ class Scheduler:
                 out.forks.extend((i, child) for child in self._fork(entry))
         self.num_steps += 1
         return out
+
+    def _fair_caps(self) -> dict[str, int] | None:
+        """request_id -> the most sequences it may run this step, or None when nothing is capped (no
+        fair share set, or fewer than two requests with work)."""
+        if self.fair_share_seqs is None:
+            return None
+        demand: dict[str, int] = {}
+        for seq in self.running:
+            demand[seq.request_id] = demand.get(seq.request_id, 0) + 1
+        for seq in self.waiting:
+            demand[seq.request_id] = demand.get(seq.request_id, 0) + seq.n
+        if len(demand) < 2:
+            return None
+        (first_id, first), second = max(demand.items(), key=lambda kv: kv[1]), 0
+        second = max((d for r, d in demand.items() if r != first_id), default=0)
+        # the largest request is capped by the second largest; every other one by the largest
+        return {r: max(self.fair_share_seqs, second if r == first_id else first) for r in demand}
+
+    @staticmethod
+    def _take_turns(decodes: list[Sequence], prefills: list[Sequence], caps: dict[str, int]
+                    ) -> tuple[list[Sequence], list[Sequence]]:
+        """Keep, per request, the ``caps[request]`` sequences furthest behind (fewest output tokens,
+        then oldest id), so that a capped request's samples take turns; order otherwise unchanged."""
+        by_req: dict[str, list[Sequence]] = {}
+        for seq in decodes + prefills:
+            by_req.setdefault(seq.request_id, []).append(seq)
+        chosen: set[int] = set()
+        for rid, seqs in by_req.items():
+            seqs.sort(key=lambda s: (s.num_output_tokens, s.seq_id))
+            chosen.update(s.seq_id for s in seqs[: caps[rid]])
+        return [s for s in decodes if s.seq_id in chosen], [s for s in prefills if s.seq_id in chosen]
 
     def schedule_lookahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """The step after ``prev`` while ``prev``'s sampled tokens are still on the device: every
@@ -296,11 +344,12 @@ class Scheduler:
         seq.status = status
         self._live_ids.discard(seq.seq_id)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """End every sequence of the request, waiting or running; frees their blocks. Returns them."""
+    def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> list[Sequence]:
+        """End every sequence of the request, waiting or running, with ``status`` (aborted, or failed by
+        a fault); frees their blocks. Returns them."""
         seqs = [s for s in itertools.chain(self.running, self.waiting) if s.request_id == request_id]
         for seq in seqs:
-            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self.finish(seq, status)
         return seqs
 
     # ---- state ----------------------------------------------------------------------------------

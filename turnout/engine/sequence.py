@@ -5,13 +5,18 @@ prompt is prefilled once; when the chunk that completes the prompt is scheduled,
 ``n - 1`` children that share the parent's KV blocks (see ``Scheduler.schedule``). From then on every
 sample is an independent ``Sequence`` with the same ``request_id`` and its own ``index``.
 
-Not slotted on purpose: the engine may hang its own per-sample state (detokenizer, logprobs) on it.
+The engine's per-sample state (text, logprobs) lives in the output processor, keyed by request id and
+``index``; a sample's grammar state (structured output) hangs here, as the scheduler side owns it.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from turnout.engine.sampling_params import SamplingParams
+    from turnout.layers.sampler import GrammarState
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / phi: spreads the per-sample seeds of one request apart
 
@@ -22,6 +27,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token or a stop string
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # a fault traced to this request (the engine went on without it)
 
     @property
     def is_finished(self) -> bool:
@@ -33,12 +39,24 @@ class SequenceStatus(enum.Enum):
         return _FINISH_REASON.get(self)
 
 
-_FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED})
+_FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED,
+                       SequenceStatus.FINISHED_ERROR})
 _FINISH_REASON = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
+
+
+class SequenceFaults(Exception):
+    """A step stage traced exceptions to particular sequences before any device work of the forward:
+    ``faults`` maps seq_id -> the exception. The engine core fails their requests and rebuilds the step."""
+
+    def __init__(self, faults: dict[int, BaseException]):
+        self.faults = faults
+        first = next(iter(faults.values()), None)
+        super().__init__(f"{len(faults)} sequence(s) failed: {type(first).__name__}: {first}")
 
 
 class Sequence:
@@ -55,7 +73,7 @@ class Sequence:
         seq_id: int,
         request_id: str,
         prompt_token_ids: list[int],
-        params: Any,
+        params: SamplingParams | None,
         seed: int,
         n: int = 1,
         arrival_time: float = 0.0,
@@ -69,7 +87,7 @@ class Sequence:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.params = params  # opaque to the scheduler side except an optional ``max_tokens`` attribute
+        self.params = params  # the scheduler side reads only ``max_tokens`` (None in scheduler-only tests)
         self.seed = seed
         self.n = n  # samples still to fork at the end of prefill, counting this one (1 = none)
         self.arrival_time = arrival_time
@@ -79,6 +97,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hits at the first schedule
         self.block_table: list[int] = []
         self.num_preemptions = 0
+        # structured output: each sample its own state (a fork gets a copy); its mask is a stage of the
+        # sampler, and the core advances it with each token drawn
+        self.grammar: GrammarState | None = None
 
     # ---- tokens ---------------------------------------------------------------------------------
     @property
@@ -112,7 +133,7 @@ class Sequence:
 
     @property
     def max_tokens(self) -> int | None:
-        return getattr(self.params, "max_tokens", None)
+        return None if self.params is None else self.params.max_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -133,6 +154,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.block_table = list(self.block_table)
+        child.grammar = None if self.grammar is None else self.grammar.fork()
         return child
 
     def __repr__(self) -> str:

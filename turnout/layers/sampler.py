@@ -1,10 +1,32 @@
-"""From logits to tokens: penalties and min_tokens in torch, then the `sample` op, plus logprobs."""
+"""From logits to tokens: the per-request stages (logits processors, the grammar bitmask), penalties
+and min_tokens in torch, then the `sample` op, plus logprobs.
+
+A per-request stage that raises drops its lane from the batch and is reported in
+``SamplerOutput.faults`` (seq_id -> exception): the engine core fails that request and the other lanes
+are sampled as if it had never been there. Token ids outside [0, vocab) never index a real token: they
+go to a pad column that is cut off.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Callable, Protocol
 
 import torch
+
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]  # (output ids, logits [V]) -> logits [V]
+
+
+class GrammarState(Protocol):
+    """What the step needs of a sample's structured-output state (turnout/structured/matcher.py has the
+    real one; Sequence.grammar holds it): the sampler has it fill its row of the next token's bitmask,
+    the engine core tells it the token drawn. Raising (or refusing the token) fails that request only."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> bool: ...
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def fork(self) -> GrammarState: ...
 
 
 @dataclass
@@ -28,11 +50,31 @@ class SamplingBatch:
     banned: torch.Tensor | None = None
     max_logprobs: int = 0  # top-N logprobs to return (0: only when a lane asked, the sampled one)
     want_logprobs: bool = False
+    seq_ids: list[int] = field(default_factory=list)  # [L]: whose lane it is (faults are reported by seq_id)
+    # per-request stages, on the lanes that have them: (lane, its processors, its output token ids)
+    processors: list[tuple[int, list[LogitsProcessor], list[int]]] = field(default_factory=list)
+    grammars: list[tuple[int, GrammarState]] = field(default_factory=list)  # (lane, its grammar state)
+
+    def select(self, keep: list[int]) -> SamplingBatch:
+        """The batch of the lanes ``keep`` (in order): every per-lane tensor and list cut to them."""
+        idx = torch.tensor(keep, dtype=torch.long, device=self.rows.device)
+        new = {f.name: getattr(self, f.name).index_select(0, idx) for f in fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor)}
+        where = {old: i for i, old in enumerate(keep)}
+        return SamplingBatch(**new, max_logprobs=self.max_logprobs, want_logprobs=self.want_logprobs,
+                             seq_ids=[self.seq_ids[i] for i in keep],
+                             processors=[(where[i], f, o) for i, f, o in self.processors if i in where],
+                             grammars=[(where[i], g) for i, g in self.grammars if i in where])
+
+
+def _in_vocab(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """ids with everything outside [0, vocab) (pads, a stray out-of-vocabulary id) sent to column vocab."""
+    return torch.where((ids >= 0) & (ids < vocab), ids, torch.full_like(ids, vocab))
 
 
 def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32, device=ids.device)
-    counts.scatter_add_(1, ids.clamp_min(-1) % (vocab + 1), torch.ones_like(ids, dtype=torch.float32))
+    counts.scatter_add_(1, _in_vocab(ids, vocab), torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab]  # the pad (-1) lands in column `vocab`, dropped
 
 
@@ -49,7 +91,7 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         logits = logits - b.frequency[:, None] * out_counts - b.presence[:, None] * (out_counts > 0).float()
     if b.banned is not None:
         mask = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
-        mask.scatter_(1, b.banned % (vocab + 1), True)
+        mask.scatter_(1, _in_vocab(b.banned, vocab), True)
         logits = logits.masked_fill(mask[:, :vocab], float("-inf"))
     return logits
 
@@ -61,16 +103,66 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None  # [L] i64, its rank (1 = most likely)
     top_ids: torch.Tensor | None = None  # [L, N]
     top_logprobs: torch.Tensor | None = None  # [L, N]
+    # lanes left out by a fault in a per-request stage: seq_id -> exception (the rows above are the rest)
+    faults: dict[int, BaseException] = field(default_factory=dict)
+
+
+def _request_stages(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, dict[int, BaseException]]:
+    """Run each lane's logits processors, then its grammar's bitmask, on its row. Returns the logits and
+    the faults by seq_id (a faulty lane's row is left as it was; the caller drops it)."""
+    faults: dict[int, BaseException] = {}
+    logits = logits.clone()  # the forward's buffer (a CUDA graph's output) stays untouched
+    for lane, procs, out_ids in b.processors:
+        try:
+            row = logits[lane]
+            for fn in procs:
+                row = fn(out_ids, row)
+            if not isinstance(row, torch.Tensor) or row.shape != logits[lane].shape:
+                raise ValueError(f"a logits processor must return a tensor of shape {tuple(logits[lane].shape)}")
+            logits[lane] = row
+        except Exception as e:  # noqa: BLE001 - the request's own code: it fails alone
+            faults[b.seq_ids[lane]] = e
+    if b.grammars:
+        vocab = logits.shape[-1]
+        words = (vocab + 31) // 32
+        # [G, ceil(V / 32)] int32: bit t of word w set = token 32 w + t allowed (xgrammar's layout)
+        bitmask = torch.full((len(b.grammars), words), -1, dtype=torch.int32)
+        rows = []
+        for g, (lane, grammar) in enumerate(b.grammars):
+            if b.seq_ids[lane] in faults:
+                continue
+            try:
+                grammar.fill_bitmask(bitmask, g)
+            except Exception as e:  # noqa: BLE001 - the request's grammar: it fails alone
+                faults[b.seq_ids[lane]] = e
+                continue
+            rows.append((lane, g))
+        if rows:
+            bits = torch.arange(32, dtype=torch.int32)
+            allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(b.grammars), words * 32)[:, :vocab]
+            lanes = torch.tensor([lane for lane, _ in rows], device=logits.device)
+            masks = allowed[[g for _, g in rows]].to(logits.device)
+            logits[lanes] = logits[lanes].masked_fill(~masks, float("-inf"))
+    return logits, faults
 
 
 def sample(ops, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     """logits: [R, V] float32 (one row per sequence that reached its end this step)."""
     logits = logits.index_select(0, b.rows) if logits.shape[0] != b.rows.shape[0] else logits
+    faults: dict[int, BaseException] = {}
+    if b.processors or b.grammars:
+        logits, faults = _request_stages(logits, b)
+        if faults:  # sample the others as if the faulty lanes had never been there
+            keep = [i for i, sid in enumerate(b.seq_ids) if sid not in faults]
+            if not keep:
+                return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device), faults=faults)
+            b = b.select(keep)
+            logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
     raw = logits
     if b.output_ids is not None or b.banned is not None:
         logits = apply_penalties(logits, b)
     tokens = ops.sample(logits.contiguous(), b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
-    out = SamplerOutput(tokens)
+    out = SamplerOutput(tokens, faults=faults)
     if b.want_logprobs:
         # Logprobs of the model's distribution (before penalties and temperature), as vLLM's default.
         lp = torch.log_softmax(raw.float(), dim=-1)

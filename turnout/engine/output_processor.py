@@ -1,0 +1,164 @@
+"""Output processing: sampled tokens -> text, stops and ``RequestOutput``s. No torch.
+
+The engine core hands over, per step, each sequence's new token (``CoreOutput``). Here every sample is
+detokenised incrementally, checked for EOS, stop tokens, stop strings and length, and its
+``CompletionOutput`` grows. What ends a sequence goes back to the core as a ``(sequence, status)`` pair,
+which frees its blocks. An exception while processing one request's token (its detokeniser, its stop
+strings) fails that request only: its output finishes with ``finish_reason == "error"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from turnout.engine.core import CoreOutput, SampledToken
+from turnout.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from turnout.engine.input_processor import EngineRequest, Tokenizer
+from turnout.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from turnout.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    request: EngineRequest
+    metrics: RequestMetrics
+    detoks: dict[int, IncrementalDetokenizer | NoTextDetokenizer] = field(default_factory=dict)  # by sample index
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return (len(self.completions) == self.request.params.n
+                and all(c.finish_reason for c in self.completions.values()))
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, eos_ids: set[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.requests: dict[str, RequestState] = {}
+        self.generation_tokens_total = 0
+
+    def add_request(self, req: EngineRequest) -> None:
+        self.requests[req.request_id] = RequestState(req, RequestMetrics(arrival_time=req.arrival_time))
+        self.add_sample(req.request_id, 0)
+
+    def add_sample(self, request_id: str, index: int) -> None:
+        """Start the text and completion of one sample (index 0 at admission, the others at their fork)."""
+        state = self.requests[request_id]
+        p, prompt = state.request.params, state.request.prompt_token_ids
+        if self.tokenizer is None:
+            state.detoks[index] = NoTextDetokenizer()
+        else:
+            state.detoks[index] = IncrementalDetokenizer(self.tokenizer, prompt,
+                                                         skip_special_tokens=p.skip_special_tokens,
+                                                         stop=p.stop_strings,
+                                                         include_stop_str_in_output=p.include_stop_str_in_output)
+        state.completions[index] = CompletionOutput(index=index, text="", token_ids=[],
+                                                    cumulative_logprob=0.0 if p.logprobs is not None else None,
+                                                    logprobs=[] if p.logprobs is not None else None)
+
+    def abort(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def process(self, core_out: CoreOutput, now: float, finished_only: bool
+                ) -> tuple[list[RequestOutput], list[tuple[Sequence, SequenceStatus]], list[str]]:
+        """Returns the outputs to report, the sequences that ended (for the core to finish), and the
+        requests that failed while their tokens were processed (for the core to drop)."""
+        touched: dict[str, RequestState] = {}
+        ended: list[tuple[Sequence, SequenceStatus]] = []
+        failed: list[str] = []
+        for rid, message in core_out.failed:
+            state = self.requests.get(rid)
+            if state is not None:
+                self._fail(state, message)
+                touched[rid] = state
+        for st in core_out.sampled:
+            state = self.requests.get(st.seq.request_id)
+            if state is None or state.error is not None:
+                continue
+            self.generation_tokens_total += 1
+            m = state.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            state.num_cached_tokens = max(state.num_cached_tokens, st.seq.num_cached_tokens)
+            try:
+                status = self._emit(state, st)
+            except Exception as e:  # noqa: BLE001 - one request's text must not fail the others
+                logger.exception("request %r failed in output processing", state.request.request_id)
+                self._fail(state, f"output processing failed: {type(e).__name__}: {e}")
+                failed.append(state.request.request_id)
+            else:
+                if status is not None:
+                    ended.append((st.seq, status))
+            touched[state.request.request_id] = state
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.requests[state.request.request_id]
+            elif finished_only:
+                continue
+            outputs.append(self._request_output(state))
+        return outputs, ended, failed
+
+    def _fail(self, state: RequestState, message: str) -> None:
+        state.error = message
+        for i in range(state.request.params.n):
+            comp = state.completions.get(i)
+            if comp is None:  # a sample not forked yet
+                self.add_sample(state.request.request_id, i)
+                comp = state.completions[i]
+            if comp.finish_reason is None:
+                comp.finish_reason, comp.stop_reason = "error", message
+
+    def _decode_one(self, tok: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([tok])
+
+    def _emit(self, state: RequestState, st: SampledToken) -> SequenceStatus | None:
+        p = state.request.params
+        seq, tok = st.seq, st.token
+        comp = state.completions[seq.index]
+        detok = state.detoks[seq.index]
+        comp.token_ids.append(tok)
+        if st.logprob is not None and comp.logprobs is not None:
+            entry = {tok: Logprob(st.logprob, st.rank, self._decode_one(tok))}
+            for r, (t, lp) in enumerate(st.top[: p.logprobs]):
+                entry.setdefault(t, Logprob(lp, r + 1, self._decode_one(t)))
+            comp.logprobs.append(entry)
+            comp.cumulative_logprob += st.logprob
+        n_out = len(comp.token_ids)
+        finish, stop_reason = None, None
+        if tok in self.eos_ids and not p.ignore_eos and n_out > p.min_tokens - 1:
+            finish = "stop"
+        elif tok in p.stop_token_ids and n_out >= p.min_tokens:
+            finish, stop_reason = "stop", tok
+        if finish is None:
+            comp.text += detok.add(tok, check_stop=n_out >= p.min_tokens)
+            if detok.stopped is not None:
+                finish, stop_reason = "stop", detok.stopped
+            elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+                finish = "length"
+        if finish is None:
+            return None
+        if detok.stopped is None:
+            comp.text += detok.flush()
+        comp.finish_reason, comp.stop_reason = finish, stop_reason
+        return SequenceStatus.FINISHED_STOPPED if finish == "stop" else SequenceStatus.FINISHED_LENGTH
+
+    def _request_output(self, state: RequestState) -> RequestOutput:
+        comps = [CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                                  list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
+                 for _, c in sorted(state.completions.items())]
+        req = state.request
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, state.finished, state.metrics,
+                             state.num_cached_tokens, error=state.error)
