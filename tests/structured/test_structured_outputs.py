@@ -214,3 +214,21 @@ def test_request_errors_name_the_request_field(fields, field):
     with pytest.raises(StructuredOutputsError) as e:
         from_request(**fields)
     assert e.value.field == field, str(e.value)
+
+
+def test_threaded_batch_fill_equals_row_by_row(tok, compiler):
+    from turnout.structured.matcher import batch_filler, fill_batch_bitmask
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}}
+    states = [compiler.new_state(StructuredOutputsParams(json=schema)) for _ in range(9)]
+    states[3] = None  # an unconstrained row
+    states[4].accept_tokens(tok.encode('{"name": "Bo', add_special_tokens=False))
+    states[5] = compiler.new_state(StructuredOutputsParams(choice=["x"]))
+    states[5].accept_tokens(tok.encode("x", add_special_tokens=False) + [compiler.stop_token_ids[0]])
+    assert states[5].is_terminated()
+    serial, threaded = allocate_bitmask(9, compiler.vocab_size), allocate_bitmask(9, compiler.vocab_size)
+    rows = fill_batch_bitmask(states, serial)
+    rows_t = fill_batch_bitmask(states, threaded, threads=batch_filler(2), parallel_from=2)
+    assert torch.equal(serial, threaded) and rows == rows_t == [0, 1, 2, 4, 5, 6, 7, 8]
+    assert not torch.equal(serial[4], serial[0])  # the advanced row differs
+    assert (serial[3] == -1).all()  # the unconstrained row is untouched
