@@ -10,6 +10,7 @@ import torch
 
 from turnout.ops import (Impl, OpFailedError, OpSpec, OpUnavailableError, Policy, Registry, SampleCase,
                          build_registry, log_table, resolve)
+from turnout.ops.spec import TRITON_PLATFORMS
 from turnout.platforms import Platform
 
 FAKE_CUDA = Platform(name="cuda", device_type="cpu", dist_backend="gloo", triton_backend=True)
@@ -124,7 +125,8 @@ def test_failure_with_nothing_left_names_the_op():
 
 def _platform_for(impl) -> Platform:
     """A platform this implementation serves, with compiled Triton (tensors stay on CPU)."""
-    names = [p for p in impl.platforms if p not in ("*", "cpu")] or (["cpu"] if "cpu" in impl.platforms else ["cuda"])
+    names = [p for p in impl.platforms if p not in ("*", "cpu", TRITON_PLATFORMS)] or \
+        (["cpu"] if "cpu" in impl.platforms else ["cuda"])
     return Platform(name=names[0], device_type="cpu", dist_backend="gloo", triton_backend=True)
 
 
@@ -153,7 +155,10 @@ def test_each_non_reference_impl_removed_every_op_still_resolves(op, impl_id, mo
     if needle:
         cand = table.resolutions[op].candidate(impl_id)
         assert not cand.available and needle in cand.reason
-        with caplog.at_level(logging.INFO, logger="turnout.ops"):
+        with caplog.at_level(logging.DEBUG, logger="turnout.ops"):
             log_table(table)
-        row = next(line for line in caplog.records[-1].getMessage().splitlines() if line.startswith(op + " "))
+        info, debug = caplog.records[-2:]
+        if not impl.below:  # first in line (prefer=its family), so the op fell back past it
+            assert f"past {impl_id} ({needle}" in info.getMessage() and op in info.getMessage()
+        row = next(line for line in debug.getMessage().splitlines() if line.startswith(op + " "))
         assert f"{impl_id}: {needle}" in row

@@ -8,9 +8,11 @@ def add_arguments(p) -> None:
     p.add_argument("--op", action="append", metavar="NAME",
                    help="only this op (repeat, or comma-separate, for several)")
     p.add_argument("--device", default="auto", help="platform to inspect (default: auto)")
+    p.add_argument("--where", metavar="OP",
+                   help="the files of OP: its spec (reference, samples), every implementation, and its tests")
 
 
 def run(args) -> int:
     from turnout.ops import doctor
 
-    return doctor.main(as_json=args.json, check=args.check, device=args.device, ops=args.op)
+    return doctor.main(as_json=args.json, check=args.check, device=args.device, ops=args.op, where_op=args.where)

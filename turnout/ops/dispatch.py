@@ -10,6 +10,7 @@ Take the first call of every op (a warm-up step) before CUDA-graph capture or ``
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -38,6 +39,8 @@ class Candidate:
     reason: str
     source: str = "builtin"
     fn: Callable | None = field(default=None, repr=False)
+    # the implementation's declared choices as set here: [{"name", "value", "set_by", "allowed", "doc"}]
+    choices: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -60,7 +63,8 @@ class Resolution:
             "op": self.op,
             "chosen": self.chosen,
             "candidates": [{"impl": c.impl, "available": c.available, "reason": c.reason,
-                            "source": c.source} for c in self.candidates],
+                            "source": c.source, **({"choices": c.choices} if c.choices else {})}
+                           for c in self.candidates],
         }
         if self.error:
             d["error"] = self.error
@@ -90,7 +94,11 @@ def _order(op: str, impls: list[Impl], platform, policy: Policy) -> tuple[list[I
     else:
         families = policy.family_order(platform)
         rank = {f: n for n, f in enumerate(families)}
-        ordered = sorted(impls, key=lambda i: (rank.get(i.family, len(rank)), -i.priority, i.id))
+
+        def place(i: Impl) -> float:  # its family's place, or just after the families it ranks below
+            return max([rank.get(i.family, len(rank))] + [rank.get(f, len(rank)) + 0.5 for f in i.below])
+
+        ordered = sorted(impls, key=lambda i: (place(i), -i.priority, i.id))
         # An implementation for another platform is no candidate here (so strict mode is about the
         # first one that could run). Named explicitly in a per-op order, it stays and is reported.
         excluded = [(i, f"does not serve platform {platform.name} (serves {i.platforms_text()})")
@@ -105,6 +113,24 @@ def _order(op: str, impls: list[Impl], platform, policy: Policy) -> tuple[list[I
     return kept, excluded
 
 
+def _choices(op: str, impl: Impl, policy: Policy) -> list[dict]:
+    """Each declared choice of ``impl``: the value in force, who set it, and the keyword value to bind
+    (None for the default: the implementation decides itself, exactly as without a policy)."""
+    out = []
+    for c in impl.choices:
+        setting = policy.choice(op, c.name)
+        value, set_by = setting if setting else (c.default, "default")
+        note = ""
+        if c.note is not None and value == c.default:
+            try:
+                note = c.note() or ""
+            except Exception as e:  # a broken note must not hide the table
+                note = f"note failed: {type(e).__name__}: {e}"
+        out.append({"name": c.name, "value": value, "set_by": set_by, "allowed": c.allowed(), "doc": c.doc,
+                    **({"note": note} if note else {}), "kwarg": c.kwarg or c.name, "bound": c.parse(value)})
+    return out
+
+
 def resolve_op(op: str, registry: Registry, platform, policy: Policy) -> Resolution:
     """Probe every candidate of ``op`` (so that the table can say why each was skipped) and choose the
     first available one. Never raises for an unusable op: ``Resolution.error`` says why."""
@@ -113,7 +139,15 @@ def resolve_op(op: str, registry: Registry, platform, policy: Policy) -> Resolut
     chosen = None
     for impl in kept:
         ok, reason, fn = impl.probe(platform)
-        cands.append(Candidate(impl.id, ok, reason, impl.source, fn))
+        choices = _choices(op, impl, policy)
+        bound = {}
+        for c in choices:
+            kwarg, value = c.pop("kwarg"), c.pop("bound")
+            if value is not None:
+                bound[kwarg] = value
+        if ok and bound:  # bound once here: the table attribute is then this partial, nothing per call
+            fn = functools.partial(fn, **bound)
+        cands.append(Candidate(impl.id, ok, reason, impl.source, fn, choices))
         if ok and chosen is None:
             chosen = impl.id
     for impl, reason in excluded:

@@ -6,8 +6,13 @@ cli.py) a malformed or unknown ``TURNOUT_OPS`` / ``--op`` / ``--device``.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import inspect
 import json
+import re
 import sys
+from pathlib import Path
 
 from turnout.ops.dispatch import resolve_op
 from turnout.ops.policy import Policy
@@ -85,11 +90,112 @@ def _write_check(out, platform, policy, rows, summary, as_json) -> None:
         out.write("  no non-reference implementation is available here\n")
 
 
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) that holds turnout/
+
+
+def _place(obj) -> tuple[str | None, int | None]:
+    """(file, first line) of a function or module, the file relative to the checkout when inside it."""
+    try:
+        file = inspect.getsourcefile(obj) or inspect.getfile(obj)
+    except TypeError:
+        return None, None
+    try:
+        line = inspect.getsourcelines(obj)[1] if not inspect.ismodule(obj) else None
+    except (OSError, TypeError):
+        line = None
+    return _rel(file), line
+
+
+def _rel(file: str | None) -> str | None:
+    if file is None:
+        return None
+    path = Path(file).resolve()
+    return str(path.relative_to(_ROOT)) if path.is_relative_to(_ROOT) else str(path)
+
+
+def _impl_place(impl) -> dict:
+    """Where an implementation's code is: its target (or, for a factory, the loader), found without
+    running it. A module that does not import here still has a file (find_spec), just no line."""
+    entry = {"impl": impl.id, "source": impl.source, "target": impl.target if isinstance(impl.target, str)
+             else f"{getattr(impl.target, '__module__', '?')}:{getattr(impl.target, '__qualname__', '?')}"}
+    if callable(impl.target):
+        entry["file"], entry["line"] = _place(impl.target)
+        return entry
+    module, _, attr = impl.target.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        entry["file"], entry["line"] = _place(obj)
+        if entry["file"] is None or not str(entry["file"]).endswith(".py"):
+            raise TypeError
+    except Exception:
+        try:
+            spec = importlib.util.find_spec(module)
+        except Exception:
+            spec = None
+        entry["file"], entry["line"] = _rel(spec.origin if spec else None), None
+    return entry
+
+
+def where(op: str, registry: Registry | None = None) -> dict:
+    """The files of an op: its declaration (reference and sample generator), every implementation, and
+    the tests that name it (a source checkout's tests/; the conformance test covers every op)."""
+    registry = registry or default_registry()
+    if op not in registry.ops:
+        raise ValueError(f"unknown op {op!r}; known ops: {', '.join(sorted(registry.ops))}")
+    spec = registry.ops[op]
+    ref_file, ref_line = _place(spec.reference)
+    gen_file, gen_line = _place(spec.sample_inputs)
+    impls = [_impl_place(i) for i in registry.impls[op]]
+    tests_dir = _ROOT / "tests"
+    tests: list[str] = []
+    if tests_dir.is_dir():
+        word = re.compile(rf"\b{re.escape(op)}\b")
+        for path in sorted(tests_dir.rglob("*.py")):
+            try:
+                if word.search(path.read_text(errors="replace")):
+                    tests.append(str(path.relative_to(_ROOT)))
+            except OSError:
+                continue
+        every = tests_dir / "ops" / "test_conformance.py"
+        if every.exists() and str(every.relative_to(_ROOT)) not in tests:
+            tests.append(str(every.relative_to(_ROOT)))
+    return {"op": op, "spec": {"reference": f"{spec.reference.__module__}:{spec.reference.__qualname__}",
+                               "file": ref_file, "line": ref_line, "samples_file": gen_file, "samples_line": gen_line},
+            "implementations": impls, "tests": tests}
+
+
+def _write_where(out, info: dict) -> None:
+    def at(file, line):
+        return f"{file}:{line}" if line else f"{file}"
+
+    s = info["spec"]
+    out.write(f"{info['op']}\n  {'spec':<16} {at(s['file'], s['line'])}  (reference {s['reference']}; "
+              f"samples {at(s['samples_file'], s['samples_line'])})\n")
+    for i in info["implementations"]:
+        src = f" [{i['source']}]" if i["source"] != "builtin" else ""
+        out.write(f"  {i['impl']:<16} {at(i['file'], i['line'])}{src}  ({i['target']})\n")
+    if info["tests"]:
+        for n, t in enumerate(info["tests"]):
+            out.write(f"  {'tests' if n == 0 else '':<16} {t}\n")
+    else:
+        out.write(f"  {'tests':<16} (no tests/ here: a source checkout has them)\n")
+
+
 def main(as_json: bool = False, check: bool = False, device: str = "auto", ops: list[str] | None = None,
-         out=None, registry: Registry | None = None) -> int:
+         out=None, registry: Registry | None = None, where_op: str | None = None) -> int:
     from turnout.platforms import detect_platform, probe_all
 
     out = out or sys.stdout
+    if where_op is not None:
+        info = where(where_op, registry)
+        if as_json:
+            json.dump(info, out, indent=2)
+            out.write("\n")
+        else:
+            _write_where(out, info)
+        return 0
     probes = probe_all()
     platform = detect_platform(device, results=probes)
     registry = registry or default_registry()
@@ -120,6 +226,10 @@ def main(as_json: bool = False, check: bool = False, device: str = "auto", ops: 
             mark = "*" if c["impl"] == row["chosen"] else ("+" if c["available"] else "-")
             src = f" [{c['source']}]" if c["source"] != "builtin" else ""
             out.write(f"   {mark} {c['impl']}{src}  {c['reason']}\n")
+            for ch in c.get("choices", ()):  # decisions made inside the implementation (Impl.choices)
+                note = f"; {ch['note']}" if ch.get("note") else ""
+                out.write(f"       choice {row['op']}.{ch['name']}={ch['value']} (set by {ch['set_by']}; "
+                          f"{ch['allowed']}{note}): {ch['doc']}\n")
         if row.get("error"):
             out.write(f"   ! {row['error']}\n")
     if registry.plugins:

@@ -7,12 +7,16 @@ Grammar (clauses separated by ';', whitespace around names ignored, each key at 
                                     stands for its implementations, highest priority first)
     deny=<impl id or family>,...    never use these ("vendor.cuda", or a whole family "vendor")
     strict=0|1                      1: no fallback; an unavailable or failing first choice is an error
+    <op>.<choice>=<value>           fix a decision an implementation makes inside itself (``Choice``),
+                                    e.g. ``moe_experts.kernel=grouped``, ``paged_attention.num_splits=1``;
+                                    ``auto`` is the implementation's own (measured) decision
 
 Lists take '|' or ','. Example: ``rms_norm=triton.default|reference.torch;deny=vendor.cuda;strict=1``.
 
 Layers, each on top of the one before: the platform's default (``Platform.ops_policy``), the engine
 config's ``ops_policy``, then ``TURNOUT_OPS``. A later layer replaces ``prefer``, ``strict`` and the
-order of each op it names; ``deny`` lists add up. Read once, at engine start; never in a hot path.
+order of each op it names, and each choice it sets; ``deny`` lists add up. Read once, at engine start;
+never in a hot path.
 """
 
 from __future__ import annotations
@@ -40,12 +44,15 @@ class Policy:
     deny: frozenset[str] = frozenset()
     strict: bool = False
     source: str = "default"
+    # op -> choice name -> (value as written, the layer that set it)
+    choices: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, text: str | None, source: str = "string", base: "Policy | None" = None) -> "Policy":
         """Parse ``text`` on top of ``base``. Raises PolicyError naming the source and the clause."""
         pol = base or cls()
         prefer, per_op, deny, strict = pol.prefer, dict(pol.per_op), set(pol.deny), pol.strict
+        choices = {op: dict(c) for op, c in pol.choices.items()}
         seen: set[str] = set()
         for raw in (text or "").split(";"):
             clause = raw.strip()
@@ -55,7 +62,7 @@ class Policy:
             key, value = key.strip(), value.strip()
             if not sep or not key or not value:
                 raise PolicyError(f"{source}: clause {clause!r} is not 'key=value' "
-                                  f"(keys: prefer, deny, strict, or an op name)")
+                                  f"(keys: prefer, deny, strict, an op name, or <op>.<choice>)")
             if not _NAME_RE.match(key):
                 raise PolicyError(f"{source}: {key!r} in {clause!r} is not a valid key")
             if key in seen:
@@ -66,6 +73,13 @@ class Policy:
                 if low not in _TRUE + _FALSE:
                     raise PolicyError(f"{source}: strict must be 0 or 1, got {value!r}")
                 strict = low in _TRUE
+                continue
+            if "." in key:  # <op>.<choice>=<value>: one value, checked against the declaration in validate()
+                op, _, name = key.partition(".")
+                if not op or not name or "." in name or not _NAME_RE.match(value) or re.search(r"[|,]", value):
+                    raise PolicyError(f"{source}: {clause!r} must be '<op>.<choice>=<value>' with one value "
+                                      "(e.g. moe_experts.kernel=grouped)")
+                choices.setdefault(op, {})[name] = (value, source)
                 continue
             items = tuple(v.strip() for v in re.split(r"[|,]", value))
             if any(not v for v in items):
@@ -95,7 +109,8 @@ class Policy:
             else:
                 per_op[key] = items
         src = source if pol.source == "default" else f"{pol.source}+{source}"
-        return replace(pol, prefer=prefer, per_op=per_op, deny=frozenset(deny), strict=strict, source=src)
+        return replace(pol, prefer=prefer, per_op=per_op, deny=frozenset(deny), strict=strict, source=src,
+                       choices=choices)
 
     @classmethod
     def from_sources(cls, config_text: str | None = None, env: dict | None = None,
@@ -128,6 +143,27 @@ class Policy:
             if "." in d and d not in all_ids:
                 raise PolicyError(f"policy ({self.source}) denies unknown implementation {d!r}; "
                                   f"known: {', '.join(sorted(all_ids))}")
+        for op, settings in sorted(self.choices.items()):
+            if op not in registry.ops:
+                raise PolicyError(f"policy ({self.source}) sets a choice of unknown op {op!r}; "
+                                  f"known ops: {', '.join(sorted(registry.ops))}")
+            declared = {c.name: (c, i.id) for i in registry.impls[op] for c in i.choices}
+            for name, (value, source) in sorted(settings.items()):
+                if name not in declared:
+                    have = ", ".join(f"{n} ({i})" for n, (_, i) in sorted(declared.items())) or "none"
+                    raise PolicyError(f"policy ({source}): op {op!r} has no choice {name!r}; its implementations "
+                                      f"declare: {have}")
+                for impl in registry.impls[op]:  # every implementation that declares it must accept the value
+                    for c in impl.choices:
+                        if c.name == name:
+                            try:
+                                c.parse(value)
+                            except ValueError as e:
+                                raise PolicyError(f"policy ({source}): {op}.{name} ({impl.id}) {e}") from None
+
+    def choice(self, op: str, name: str) -> tuple[str, str] | None:
+        """(value, the layer that set it) of ``<op>.<name>``, or None when the policy leaves it alone."""
+        return self.choices.get(op, {}).get(name)
 
     def is_denied(self, impl_id: str) -> bool:
         return impl_id in self.deny or impl_id.split(".", 1)[0] in self.deny
@@ -142,6 +178,8 @@ class Policy:
         if self.prefer:
             parts.append("prefer=" + "|".join(self.prefer))
         parts += [f"{op}={'|'.join(v)}" for op, v in sorted(self.per_op.items())]
+        parts += [f"{op}.{name}={value}" for op, c in sorted(self.choices.items())
+                  for name, (value, _) in sorted(c.items())]
         if self.deny:
             parts.append("deny=" + ",".join(sorted(self.deny)))
         if self.strict:

@@ -55,11 +55,59 @@ class ImplUnavailable(Exception):
     """Raised by a probe, a loader or a factory to say why an implementation cannot run here."""
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A decision an implementation makes inside itself (which of its kernels, how many splits), declared
+    so that ``turnout ops`` shows it and the policy can fix it: ``<op>.<name>=<value>`` (docs/ops.md).
+
+    ``default`` ("auto") means the implementation decides as it was measured to; with it nothing is bound
+    and the callable is exactly the implementation's own. Any other value is passed to the callable as
+    the keyword ``kwarg`` (default: ``name``), bound once at resolution (never a per-call lookup).
+    ``values`` lists the allowed values; ``integer=True`` allows instead any integer in
+    ``[minimum, maximum]``. ``doc`` says what the default does; ``note``, if given, is a zero-argument
+    function returning what else sets the default on this machine (a tuning variable), or "".
+    """
+
+    name: str
+    doc: str
+    values: tuple[str, ...] = ()
+    integer: bool = False
+    minimum: int = 1
+    maximum: int | None = None
+    default: str = "auto"
+    kwarg: str | None = None
+    note: Callable[[], str] | None = None
+
+    def allowed(self) -> str:
+        if self.integer:
+            top = "" if self.maximum is None else f"..{self.maximum}"
+            return f"{self.default} or an integer {self.minimum}{top}" if top else \
+                f"{self.default} or an integer >= {self.minimum}"
+        return "|".join((self.default,) + tuple(self.values))
+
+    def parse(self, text: str):
+        """The value to bind for ``text`` (None for the default); ValueError saying what is allowed."""
+        if text == self.default:
+            return None
+        if self.integer:
+            try:
+                value = int(text)
+            except ValueError:
+                value = None
+            if value is None or value < self.minimum or (self.maximum is not None and value > self.maximum):
+                raise ValueError(f"must be {self.allowed()}, got {text!r}")
+            return value
+        if text not in self.values:
+            raise ValueError(f"must be one of {self.allowed()}, got {text!r}")
+        return text
+
+
 # Families, in the default order a GPU platform tries them. Every implementation id starts with one.
 KNOWN_FAMILIES = ("vendor", "triton", "reference")
 
 # An id is used inside the policy grammar, so it may not contain its separators (; = | , space).
 _ID_RE = re.compile(r"^[A-Za-z0-9_]+\.[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_CHOICE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _describe_error(e: BaseException) -> str:
@@ -78,6 +126,11 @@ class Impl:
     the way to bind into lazy namespaces such as ``torch.ops.<lib>``, on which ``hasattr`` is always
     true (seed 003). ``check(platform)`` may add a capability test returning ``(ok, reason)``; it runs
     after the callable resolved.
+
+    ``below`` names families this implementation is tried after in the family order (``prefer`` included),
+    for one that is not yet measured to beat them: ``vendor.cuda`` moe_experts ranks below ``triton``.
+    A per-op order in the policy places it anywhere. ``choices`` declares the decisions it makes inside
+    itself (``Choice``): shown by ``turnout ops``, fixed by ``<op>.<choice>=<value>`` in the policy.
     """
 
     op: str
@@ -88,6 +141,8 @@ class Impl:
     check: Callable[[Any], tuple[bool, str]] | None = None
     source: str = "builtin"  # "builtin" or "plugin:<name>"
     factory: bool = False
+    below: tuple[str, ...] = ()
+    choices: tuple[Choice, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.id, str) or not _ID_RE.match(self.id):
@@ -98,6 +153,16 @@ class Impl:
                              f"(families: {', '.join(KNOWN_FAMILIES)})")
         if isinstance(self.platforms, str):  # a common slip: platforms="cuda"
             object.__setattr__(self, "platforms", (self.platforms,))
+        if isinstance(self.below, str):
+            object.__setattr__(self, "below", (self.below,))
+        bad = [f for f in self.below if f not in KNOWN_FAMILIES]
+        if bad:
+            raise ValueError(f"implementation {self.id!r} of op {self.op!r}: below names unknown family {bad[0]!r} "
+                             f"(families: {', '.join(KNOWN_FAMILIES)})")
+        names = [c.name for c in self.choices]
+        if len(set(names)) != len(names) or not all(_CHOICE_RE.match(n) for n in names):
+            raise ValueError(f"implementation {self.id!r} of op {self.op!r}: choice names {names} must be distinct "
+                             "identifiers")
         if not callable(self.target):
             module, sep, attr = str(self.target).partition(":")
             if not sep or not module or not attr:

@@ -1,6 +1,6 @@
 """Portable Triton kernels. Registered lazily: ``triton`` is imported only when a kernel is probed."""
 
-from turnout.ops.spec import TRITON_PLATFORMS, Impl
+from turnout.ops.spec import TRITON_PLATFORMS, Choice, Impl
 
 
 def _check(platform):
@@ -28,9 +28,44 @@ KERNELS: dict[str, str] = {
 }
 
 
+
+def _attn_note() -> str:
+    from turnout import envs
+
+    n = envs.get().attn_decode.get("num_splits")
+    return f"TURNOUT_ATTN_DECODE sets num_splits={n} at decode" if n is not None else ""
+
+
+def _moe_note() -> str:
+    from turnout import envs
+
+    if envs.get().moe_decode_config.get("one_token") == 0:
+        return "TURNOUT_MOE_DECODE_CONFIG one_token=0: the per-slot down kernel at T = 1 too"
+    return ""
+
+
+_NUM_SPLITS = Choice(
+    "num_splits", integer=True, maximum=64, note=_attn_note,
+    doc="auto: at decode, split each context over several programs (flash-decoding) while batch x KV-head "
+        "programs are fewer than the SMs, up to 64 splits and one per 64-token KV tile; prefill never splits. "
+        "n: n splits at every decode step (1: never split)")
+
+# op -> the decisions its Triton implementation makes inside itself (Choice): reported by `turnout ops`,
+# fixed by `<op>.<choice>=<value>` in TURNOUT_OPS / ops_policy. The defaults are the measured ones.
+CHOICES: dict[str, tuple[Choice, ...]] = {
+    "moe_experts": (Choice(
+        "kernel", values=("grouped", "decode"), note=_moe_note,
+        doc="auto: the one-token kernel at T = 1, the decode kernels (no sort) while T*k <= max(128, 4*E), "
+            "the sorted grouped GEMM beyond. grouped / decode: that path at every T (decode with its "
+            "per-slot down kernel and slot sum, never the one-token kernel)"),),
+    "paged_attention": (_NUM_SPLITS,),
+    "rotary_paged_attention": (_NUM_SPLITS,),
+}
+
+
 def register(registry) -> None:
     for op, target in KERNELS.items():
         if op not in registry.ops:  # an op whose declaration is not loaded
             continue
         registry.add_impl(Impl(op=op, id="triton.default", target=f"turnout.ops.triton.{target}",
-                               platforms=(TRITON_PLATFORMS,), priority=0, check=_check))
+                               platforms=(TRITON_PLATFORMS,), priority=0, check=_check, choices=CHOICES.get(op, ())))

@@ -10,6 +10,8 @@ Decode with few sequences and long contexts leaves most of the GPU idle with one
 (sequence, KV head), so it splits the context across programs (flash-decoding): each split writes a
 normalised partial output and its log-sum-exp, and a second kernel merges them. Whether to split is
 chosen from host ints (batch size, KV heads, max_seq_len, the SM count), so there is no device sync.
+The split count is the implementation's declared choice ``num_splits`` (turnout/ops/triton/__init__.py:
+CHOICES): ``turnout ops`` shows it and ``TURNOUT_OPS="paged_attention.num_splits=1"`` fixes it.
 """
 
 from __future__ import annotations
@@ -320,11 +322,17 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out
 
 
+def _decode_splits(num_splits: int | None, max_query_len: int) -> int | None:
+    """The policy's split count applies to decode only: prefill is never split."""
+    return num_splits if max_query_len <= _SPLIT_MAX_Q else None
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """``num_splits`` (the policy's ``paged_attention.num_splits``, bound once by the op table): None chooses."""
     return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                max_seq_len, scale)
+                                max_seq_len, scale, num_splits=_decode_splits(num_splits, max_query_len))
 
 
 def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -332,7 +340,7 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
                            cos_sin_cache: torch.Tensor, is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, *, num_splits: int | None = None) -> torch.Tensor:
     """See turnout/ops/reference/attention.py. Decode (one new token per sequence): one attention kernel
     that also normalises and rotates q and the new k and writes k and v into the cache. Otherwise the
     separate kernels, on copies of q and k (the op leaves its inputs alone)."""
@@ -342,8 +350,9 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
         if q_weight is not None:
             q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
         return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                    max_seq_len, scale, rope=(positions, key, value, q_weight, k_weight, eps,
-                                                              cos_sin_cache, is_neox, slot_mapping))
+                                    max_seq_len, scale, num_splits=num_splits,
+                                    rope=(positions, key, value, q_weight, k_weight, eps, cos_sin_cache, is_neox,
+                                          slot_mapping))
     from turnout.ops.triton.cache import reshape_and_cache
     from turnout.ops.triton.rotary import qk_norm_rotary_cache, rotary_embedding
 
@@ -355,4 +364,4 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
         rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
         reshape_and_cache(k, value.contiguous(), k_cache, v_cache, slot_mapping)
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                           scale)
+                           scale, num_splits=num_splits)

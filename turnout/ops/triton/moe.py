@@ -11,20 +11,25 @@
 4. out = sum over the k slots of each token, in float32.
 
 Few tokens (decode: T * k within a few pairs per expert, decided from host ints) take
-``moe_decode.moe_experts_decode`` instead: no sort, each active expert's weights streamed once.
+``moe_decode.moe_experts_decode`` instead: no sort, each active expert's weights streamed once (and at
+one token its down kernel sums the slots itself, moe_one_token.py). Which of the three runs is the
+implementation's declared choice ``kernel`` (turnout/ops/triton/__init__.py:CHOICES): ``turnout ops``
+shows it and ``TURNOUT_OPS="moe_experts.kernel=grouped"`` (or ``decode``) fixes it; ``auto`` is the
+measured default below.
 
 The routing is consumed as given: this file never looks at scores or recomputes top-k (seed 001).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from turnout.ops.triton._tuning import interpreted
+from turnout.ops.triton import moe_decode
 from turnout.ops.triton.moe_decode import moe_experts_decode, use_decode
 
 _INTERPRET = interpreted()
@@ -167,8 +172,9 @@ def _tile(n: int, cap: int) -> int:
 
 
 def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-    """See turnout/ops/reference/moe.py for the contract."""
+                topk_ids: torch.Tensor, *, kernel: str = "auto") -> torch.Tensor:
+    """See turnout/ops/reference/moe.py for the contract. ``kernel`` (the policy's ``moe_experts.kernel``,
+    bound once by the op table): "auto", "grouped" or "decode"."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -176,6 +182,13 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
+    if kernel == "grouped":
+        return moe_experts_grouped(hidden, w13, w2, topk_weights, topk_ids)
+    if kernel == "decode":  # the decode kernels at every T, per-slot down kernel and slot sum
+        config = replace(moe_decode._env_config(), one_token=0)
+        return moe_experts_decode(hidden, w13, w2, topk_weights, topk_ids, config=config)
+    if kernel != "auto":
+        raise ValueError(f"moe_experts: kernel must be auto, grouped or decode, got {kernel!r}")
     if use_decode(num_tokens, top_k, num_experts):
         return moe_experts_decode(hidden, w13, w2, topk_weights, topk_ids)
     return moe_experts_grouped(hidden, w13, w2, topk_weights, topk_ids)

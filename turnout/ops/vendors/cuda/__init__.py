@@ -1,7 +1,8 @@
 """vendor.cuda: native CUDA/HIP kernels, when a library that ships them is installed.
 
 Today that is vLLM's compiled extension (``vllm._C``), whose ops live in the lazy namespaces
-``torch.ops._C`` and ``torch.ops._C_cache_ops``. The loaders in ``vllm_ops`` fetch each op for real, so a
+``torch.ops._C`` and ``torch.ops._C_cache_ops``, and torch's own grouped GEMM for ``moe_experts``
+(``moe.py``, ranked below the Triton kernel). The loaders in ``vllm_ops`` fetch each op for real, so a
 wheel built without compiled ops (seed 003) shows up as "unavailable: ..." here, and the op falls back.
 This module only declares; nothing is imported until an implementation is probed.
 """
@@ -24,3 +25,9 @@ def register(registry) -> None:
         if op in registry.ops:
             registry.add_impl(Impl(op=op, id="vendor.cuda", target=f"turnout.ops.vendors.cuda.vllm_ops:{loader}",
                                    factory=True, platforms=PLATFORMS, priority=0))
+    if "moe_experts" in registry.ops:
+        # torch's grouped GEMM (moe.py): conformance-tested, not measured faster than the Triton path the
+        # GPU numbers were taken with, so it ranks below Triton; TURNOUT_OPS="moe_experts=vendor.cuda|..."
+        # puts it first.
+        registry.add_impl(Impl(op="moe_experts", id="vendor.cuda", target="turnout.ops.vendors.cuda.moe:load",
+                               factory=True, platforms=("cuda",), below=("triton",)))
