@@ -74,7 +74,8 @@ def test_body_size_limit(fake_server):
             for _ in range(10):
                 yield b"x" * 1000
 
-        r = httpx.post(f"{srv.base_url}/v1/completions", content=chunked())
+        r = httpx.post(f"{srv.base_url}/v1/completions", content=chunked(),
+                       headers={"content-type": "application/json"})
         assert r.status_code == 413
         assert httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 

@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, auth, body limits, error mapping, model loading, health.
+"""The FastAPI app: routes, error mapping, model loading, health (auth and HTTP limits: http_guard.py).
 
 ``build_app(state)`` makes an app around a ``ServerState``; the engine is built in a worker thread
 after the app starts, so /health answers 503 while the model loads instead of refusing connections.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hmac
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -24,6 +23,7 @@ import turnout
 from turnout.engine.async_engine import AsyncLLMEngine
 from turnout.entrypoints.openai import protocol as P
 from turnout.entrypoints.openai.errors import APIError, error_response
+from turnout.entrypoints.openai.http_guard import RequestGuard
 from turnout.entrypoints.openai.metrics import ServerMetrics
 from turnout.entrypoints.openai.serving_chat import create_chat_completion
 from turnout.entrypoints.openai.serving_completions import create_completion
@@ -40,6 +40,7 @@ class ServerState:
     max_queue: int = 1024
     max_num_seqs: int = 256
     max_request_bytes: int = 4 << 20
+    max_header_count: int = 100
     drain_timeout: float = 30.0
     on_ready: Callable[["ServerState"], None] | None = None
     on_load_failed: Callable[[BaseException], None] | None = None
@@ -166,57 +167,6 @@ def _model_vocab(engine) -> int:
     return len(engine.tokenizer)
 
 
-class _Guard:
-    """Pure ASGI middleware: body size limit (413), API key on /v1/* (401). Buffers the body so that the
-    limit holds for chunked uploads too, then replays it; later receives (disconnects) pass through."""
-
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        state = self.state
-        if state.api_key and scope["path"].startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            expected = state.api_key.encode()
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)):
-                return await error_response(401, "Invalid or missing API key (Authorization: Bearer <key>).",
-                                            code="invalid_api_key",
-                                            headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        limit = state.max_request_bytes
-        too_big = error_response(413, f"The request body exceeds {limit} bytes.", code="request_too_large",
-                                 headers={"Connection": "close"})
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return await too_big(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            if size > limit:
-                return await too_big(scope, receive, send)
-            if not msg.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
@@ -277,5 +227,5 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         return await create_chat_completion(state, request)
 
-    app.add_middleware(_Guard, state=state)
+    app.add_middleware(RequestGuard, state=state, max_header_count=state.max_header_count)
     return app

@@ -21,67 +21,156 @@ from turnout import envs
 logger = logging.getLogger("turnout.serve")
 
 
+# Argument groups, in --help order; docs/serve.md's flag tables are generated from them (serve_docs.py).
+GROUPS = ("model", "engine", "server", "HTTP limits", "lifecycle")
+
+
 def add_arguments(p) -> None:
-    p.add_argument("model", nargs="?", default=None,
+    g = {name: p.add_argument_group(name) for name in GROUPS}
+    m, e, s, h, life = (g[n] for n in GROUPS)
+    m.add_argument("model", nargs="?", default=None,
                    help="HF model id, local directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=envs.get().api_key,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TURNOUT_API_KEY)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) the model answers to in the API (default: the model's name)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-queue", type=int, default=1024,
-                   help="waiting requests beyond the free running slots; more get 503 + Retry-After")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache bytes (CPU default 1 GiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+    m.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
+                   help="the same as the positional MODEL (vLLM's spelling); give one of the two")
+    m.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the model answers to in the API; others get 404 (default: MODEL, else the "
+                        "model's name)")
+    m.add_argument("--tokenizer", default=None, help="a tokenizer other than the model's")
+    m.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="how to read the weights")
+    m.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    m.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
+
+    e.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="context length; longer requests get 400 context_length_exceeded (default: the model's)")
+    e.add_argument("--max-num-seqs", type=int, default=256, help="sequences generated at once")
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step")
+    e.add_argument("--max-tokens-per-request", type=int, default=None,
+                   help="the most one request may cost: n x (prompt + max_tokens) plus its logprob entries; "
+                        "more is refused with 400 (default: no limit)")
+    e.add_argument("--fair-share-seqs", type=int, default=16,
+                   help="while others wait, one request runs at most this many of its sequences a step "
+                        "(0: no cap)")
+    e.add_argument("--block-size", type=int, default=16, help="tokens in one KV-cache block")
+    e.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache bytes (CPU default 1 GiB)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights + KV cache")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of shared prompt prefixes")
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="no CUDA graphs")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before the last one's tokens are read back "
                         "(default: on for GPUs, off on CPU)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    p.add_argument("--ops-policy", default=None, help="op dispatch policy (as TURNOUT_OPS)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds running requests may take to finish after SIGTERM")
-    p.add_argument("--timeout-keep-alive", type=int, default=5)
-    p.add_argument("--dead-engine-grace", type=float, default=3.0,
-                   help="seconds between the engine dying and the process exiting 1 (clients get their "
-                        "errors meanwhile; /health answers 503)")
+    e.add_argument("--ops-policy", default=None, help="op dispatch policy (as TURNOUT_OPS; docs/ops.md)")
+
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000,
+                   help="port to listen on; bound before the model loads, so a port in use fails at once")
+    s.add_argument("--api-key", default=envs.get().api_key,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TURNOUT_API_KEY)")
+    s.add_argument("--max-queue", type=int, default=1024,
+                   help="waiting requests beyond the free running slots; more get 503 + Retry-After")
+
+    h.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413")
+    h.add_argument("--max-connections", type=int, default=None,
+                   help="open connections beyond this are refused with 503 "
+                        "(default: --max-queue + --max-num-seqs + 64)")
+    h.add_argument("--timeout-header", type=float, default=15.0,
+                   help="seconds a connection may take to send its request headers (else 408, closed)")
+    h.add_argument("--timeout-body", type=float, default=60.0,
+                   help="seconds a request may take to send its body after the headers (else 408, closed)")
+    h.add_argument("--timeout-write", type=float, default=60.0,
+                   help="seconds a client may leave a response unread with the send buffer full (else "
+                        "closed, its request aborted)")
+    h.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="seconds an idle keep-alive connection stays open")
+    h.add_argument("--h11-max-incomplete-event-size", type=int, default=64 << 10,
+                   help="bytes of request line + headers (larger: 400)")
+    h.add_argument("--h11-max-header-count", type=int, default=100, help="header fields (more: 431)")
+
+    life.add_argument("--drain-timeout", type=float, default=30.0,
+                      help="seconds running requests may take to finish after SIGTERM; the rest are aborted")
+    life.add_argument("--dead-engine-grace", type=float, default=3.0,
+                      help="seconds between the engine dying and the process exiting 1 (clients get their "
+                           "errors meanwhile; /health answers 503)")
+
+
+def resolve_model(args) -> str | None:
+    """MODEL given as the positional or as --model (vLLM's spelling); both, differing, is a mistake."""
+    flag = getattr(args, "model_flag", None)
+    if flag is not None and args.model is not None and flag != args.model:
+        raise ValueError(f"--model: the model is given twice ({args.model!r} and --model {flag!r}); give one")
+    return args.model if args.model is not None else flag
 
 
 def build_config(args):
     from turnout.config import EngineConfig
 
+    if args.fair_share_seqs < 0:
+        raise ValueError(f"--fair-share-seqs: must be >= 0 (0: no cap), got {args.fair_share_seqs}")
     return EngineConfig(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        model=resolve_model(args), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         load_format=args.load_format, seed=args.seed, ops_policy=args.ops_policy,
-        served_model_name=(args.served_model_name or [None])[0])
+        served_model_name=(args.served_model_name or [None])[0],
+        max_tokens_per_request=args.max_tokens_per_request, fair_share_seqs=args.fair_share_seqs or None)
+
+
+def bind_socket(host: str, port: int):
+    """Listen on host:port now, before the model loads (seconds to minutes), so a port in use is an
+    error at once that names the address, not a crash after loading."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port: must be in [0, 65535], got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host: cannot resolve {host!r}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ValueError(f"--port: cannot listen on {where}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def run(args) -> int:
-    import uvicorn
-
-    from turnout.entrypoints.openai.api_server import ServerState, build_app
-
     if args.max_queue < 0:
         raise ValueError(f"--max-queue: must be >= 0, got {args.max_queue}")
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes: must be >= 1024, got {args.max_request_bytes}")
+    for flag in ("timeout_header", "timeout_body", "timeout_write", "dead_engine_grace", "drain_timeout"):
+        if not getattr(args, flag) >= 0:
+            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 0 seconds, got {getattr(args, flag)}")
+    max_connections = args.max_connections
+    if max_connections is None:
+        max_connections = args.max_queue + args.max_num_seqs + 64
+    if max_connections < 1:
+        raise ValueError(f"--max-connections: must be >= 1, got {max_connections}")
+    for flag in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     config = build_config(args)  # ValueError naming the field, before anything starts
+    sock = bind_socket(args.host, args.port)  # before any heavy import or the model: fail in milliseconds
+    port = sock.getsockname()[1]  # the one bound, also for --port 0
+
+    import uvicorn
+
+    from turnout.entrypoints.openai.api_server import ServerState, build_app
+    from turnout.entrypoints.openai.http_guard import guarded_h11_protocol
 
     def make_engine():
         from turnout.engine.llm_engine import LLMEngine
@@ -93,7 +182,7 @@ def run(args) -> int:
 
     def on_ready(state):
         logger.info("turnout %s ready on http://%s:%d | model %r | max_model_len=%d max_num_seqs=%d "
-                    "max_queue=%d api_key=%s drain_timeout=%.0fs", _version(), args.host, args.port,
+                    "max_queue=%d api_key=%s drain_timeout=%.0fs", _version(), args.host, port,
                     ", ".join(state.served_model_names), state.max_model_len, args.max_num_seqs, args.max_queue,
                     "required" if args.api_key else "off", args.drain_timeout)
 
@@ -112,20 +201,26 @@ def run(args) -> int:
             asyncio.get_running_loop().call_later(max(args.dead_engine_grace, 0.0), server.exit_now)
 
     # As vLLM: the API name is --served-model-name, else the MODEL argument, else the engine's display name.
-    names = args.served_model_name or ([args.model] if args.model else None)
+    names = args.served_model_name or ([config.model] if config.model else None)
     state = ServerState(engine_factory=make_engine, served_model_names=names,
                         api_key=args.api_key or None, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
-                        max_request_bytes=args.max_request_bytes, drain_timeout=args.drain_timeout,
+                        max_request_bytes=args.max_request_bytes, max_header_count=args.h11_max_header_count,
+                        drain_timeout=args.drain_timeout,
                         on_ready=on_ready, on_load_failed=on_load_failed, on_engine_dead=on_engine_dead)
     app = build_app(state)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                               timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5,
-                               lifespan="on", server_header=False)
+    protocol = guarded_h11_protocol(args.timeout_header, args.timeout_body, args.timeout_write, max_connections)
+    uv_config = uvicorn.Config(app, host=args.host, port=port, log_level="warning", access_log=False,
+                               http=protocol, timeout_keep_alive=args.timeout_keep_alive,
+                               timeout_graceful_shutdown=5, lifespan="on", server_header=False,
+                               h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
     server = _DrainingServer(uv_config, state)
     logger.info("loading model %s ...", config.model or "(default SmolLM2-135M-Instruct)")
-    server.run()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if server.started is False and exit_code == 0:
-        exit_code = 1  # could not bind, for instance; uvicorn has logged why
+        exit_code = 1  # uvicorn could not start; it has logged why
     if state.engine_dead:
         exit_code = 1  # also when a signal, not the grace timer, ended a server whose engine had died
     return exit_code
