@@ -8,9 +8,12 @@ A setting is a set of environment variables (re-read through ``turnout.envs.relo
 looked up when kernels launch, hence at capture): ``TURNOUT_PDL``,
 and the tile overrides of turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``,
 ``TURNOUT_MOE_DECODE_CONFIG``). Model switches are also accepted: ``"model:fused_prenorm": "0"`` captures
-the step with the plain pre-norm kernels instead of norms fused into the projections (``use_fused_prenorm``),
-``"model:rope_attention": "0"`` with q/k norm, RoPE and the cache write in their own kernel instead of
-inside the attention kernel (``use_rope_attention``; on unless ``TURNOUT_ROPE_ATTENTION=0`` at start-up).
+the step with the plain pre-norm kernels instead of norms fused into the projections (the fusion plan's
+``prenorm_linear``), ``"model:rope_attention": "0"`` with q/k norm, RoPE and the cache write in their own
+kernel instead of inside the attention kernel (``rope_attention``; on unless ``TURNOUT_ROPE_ATTENTION=0`` at
+start-up); "1" turns either on where the op table allows it. A model's fusions are fixed when it is built
+(turnout/layers/fusion.py), so a switch builds the model again with the other plan, on the meta device,
+sharing the loaded model's weights (no copy).
 A kernel's best tile alone is not always its best tile in the step, where it overlaps its neighbours (PDL)
 and shares L2 with them; this measures the step itself, in one process, so settings are compared on the same
 weights, GPU and clocks (the docs/benchmarks.md fourth-session tiles came from here).
@@ -25,6 +28,7 @@ Needs a CUDA GPU (graphs).
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -53,6 +57,20 @@ def _settings(text: str) -> list[dict]:
     if unknown:
         raise SystemExit(f"--settings: unknown model switch(es) {unknown}; known: {list(MODEL_SWITCHES)}")
     return [{k: v if isinstance(v, str) else json.dumps(v) for k, v in s.items()} for s in value]
+
+
+def _rebuilt(model, ops, plan):
+    """``model``'s class built again with ``plan``, holding the same parameter and buffer tensors (built on the
+    meta device, then each module's tensors taken over from its twin: the structure does not depend on the plan)."""
+    with torch.device("meta"):
+        twin = type(model)(model.config, ops, plan).eval()
+    mods, twins = dict(model.named_modules()), dict(twin.named_modules())
+    if mods.keys() != twins.keys():
+        raise SystemExit("decode_step_ab.py: the rebuilt model's modules differ from the loaded one's")
+    for name, mod in mods.items():
+        twins[name]._parameters.update(mod._parameters)
+        twins[name]._buffers.update(mod._buffers)
+    return twin
 
 
 def _prime(graphs, runner, batch: int, context: int) -> None:
@@ -101,18 +119,12 @@ def main() -> int:
     step_bytes = geo.weight_bytes_per_step(args.batch) + args.batch * args.context * geo.kv_bytes_per_token
     copy_gb_s = copy_bandwidth(runner.device)  # GB/s
     base_env = dict(os.environ)
-    from turnout.engine.model_runner import _kernel_chosen
-    from turnout.layers.attention import use_rope_attention
-    from turnout.layers.linear import use_fused_prenorm
+    from turnout.layers.fusion import plan_fusions
 
-    fused_layer = next((m for m in runner.model.modules() if getattr(m, "prenorm_linear", None)), None)
-    fused_op, fused_when = (fused_layer.prenorm_linear, fused_layer.prenorm_when) if fused_layer else (None, None)
-    # rotary_paged_attention: wired at start-up unless TURNOUT_ROPE_ATTENTION=0; a setting may turn it on or off
-    rope_wired = next((m.rope_attention for m in runner.model.modules() if getattr(m, "rope_attention", None)), None)
-    rope_op = rope_wired
-    if rope_op is None and _kernel_chosen(runner.ops, "rotary_paged_attention"):
-        rope_op = lambda *a: runner.ops.rotary_paged_attention(*a)  # noqa: E731
-    rope_default = "1" if rope_wired is not None else "0"
+    base_model = runner.model
+    base_plan = base_model.plan
+    possible = plan_fusions(runner.ops, rope_attention=True)  # what the op table allows
+    fused_available, rope_available = possible.prenorm_linear, possible.rope_attention
     first = None
     rows = []
     for setting in settings:
@@ -120,9 +132,11 @@ def main() -> int:
         os.environ.update(base_env)
         os.environ.update({k: v for k, v in setting.items() if not k.startswith("model:")})
         envs.reload()  # turnout reads the environment once; the kernels see this setting from the next capture
-        fused = setting.get("model:fused_prenorm", "1") != "0"
-        use_fused_prenorm(runner.model, fused_op if fused else None, fused_when)
-        use_rope_attention(runner.model, rope_op if setting.get("model:rope_attention", rope_default) == "1" else None)
+        fused = setting.get("model:fused_prenorm", "1") != "0" and fused_available
+        rope = setting.get("model:rope_attention", "1" if base_plan.rope_attention else "0") == "1" and rope_available
+        plan = dataclasses.replace(base_plan, prenorm_linear=fused, prenorm_pays=possible.prenorm_pays if fused else None,
+                                   rope_attention=rope)
+        runner.model = base_model if plan == base_plan else _rebuilt(base_model, runner.ops, plan)
         runner.graphs = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -158,9 +172,8 @@ def main() -> int:
     os.environ.clear()
     os.environ.update(base_env)
     envs.reload()
-    use_fused_prenorm(runner.model, fused_op, fused_when)
-    use_rope_attention(runner.model, rope_wired)
-    summary = {"fused_prenorm_available": fused_op is not None, "rope_attention_available": rope_op is not None,
+    runner.model = base_model
+    summary = {"fused_prenorm_available": fused_available, "rope_attention_available": rope_available,
                "model": args.model, "batch": args.batch, "context": args.context, "gpu": torch.cuda.get_device_name(),
                "copy_GB_s": round(copy_gb_s, 1), "step_bytes": step_bytes, "results": rows}
     print(json.dumps(summary))

@@ -12,12 +12,22 @@ import pytest
 import torch
 
 from turnout.layers.attention import AttentionMetadata
+from turnout.layers.fusion import FusionPlan, plan_fusions
 from turnout.loader import load_model
-from turnout.ops import Policy, resolve
+from turnout.ops import Policy, build_registry, resolve
+from turnout.platforms import Platform
 from turnout.platforms.detect import detect_platform
 
 PLATFORM = detect_platform("auto")
 BLOCK_SIZE = 4
+# A GPU platform as the op table sees it, for building a GPU's fusion plan here; its Triton kernels run under the
+# interpreter on CPU tensors. Only the ops named in a test's policy take Triton, the rest the reference.
+FAKE_GPU = Platform(name="cuda", device_type="cuda", dist_backend="nccl", vendor="cuda", triton_backend=True)
+
+
+def _gpu_table(*triton_ops):
+    return resolve(FAKE_GPU, Policy.parse(";".join(["prefer=reference", *(f"{op}=triton.default" for op in triton_ops)])),
+                   build_registry(plugins=False))
 
 
 def _common(**kw):
@@ -78,22 +88,14 @@ def _meta(num_new: int, num_cached: int, device):
         max_query_len=num_new, max_seq_len=total)
 
 
-def _run_both(name, tmp_path, device, dtype, policy="", fused_norms=None, fuse_when=None, rope_attention=None):
+def _run_both(name, tmp_path, device, dtype, policy="", ops=None, plan=None):
+    """``ops`` / ``plan``: an op table (default: this machine's under ``policy``) and the fusion plan the model is
+    built with (default: none)."""
     hf = _build_hf(name, dtype)
     hf.save_pretrained(tmp_path)
-    ops = resolve(PLATFORM, Policy.parse(policy) if policy else Policy())
-    loaded = load_model(str(tmp_path), dtype=dtype, device=device, ops=ops)
+    ops = ops or resolve(PLATFORM, Policy.parse(policy) if policy else Policy())
+    loaded = load_model(str(tmp_path), dtype=dtype, device=device, ops=ops, plan=plan)
     model, config = loaded.model, loaded.hf_config
-    if fused_norms is not None:  # the batch-1 decode wiring of a GPU: one-row projections, norms fused in
-        from turnout.layers.linear import use_fused_prenorm, use_small_m_linear
-        from turnout.ops.triton.linear import small_m_linear
-
-        use_small_m_linear(model, small_m_linear)
-        use_fused_prenorm(model, fused_norms, fuse_when)
-    if rope_attention is not None:  # the decode wiring of a GPU: q/k norm, RoPE and cache inside attention
-        from turnout.layers.attention import use_rope_attention
-
-        use_rope_attention(model, rope_attention)
     ids = torch.randint(0, config.vocab_size, (13,), generator=torch.Generator().manual_seed(2))
     prompt, last = ids[:-1].to(device), ids[-1:].to(device)
     heads = config.num_key_value_heads
@@ -126,17 +128,21 @@ def test_glm4_moe_through_triton_experts(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
-def test_decode_with_norms_fused_into_projections(name, tmp_path):
+def test_decode_with_norms_fused_into_projections(name, tmp_path, monkeypatch):
     """The one-token step with each pre-norm computed inside the projection that reads it
     (add_rms_norm_linear, Triton under the interpreter on CPU): dense and MoE layers, Qwen2-MoE's gated
     shared expert, GLM's float32 router. Same logits as transformers, and every layer's two norms fused."""
     if not PLATFORM.triton_usable():
         pytest.skip("Triton does not run here")
-    from turnout.ops.triton.linear import add_rms_norm_linear
+    from turnout.ops.triton import linear
 
     calls = []
-    ours, theirs, model = _run_both(name, tmp_path, "cpu", torch.float32,
-                                    fused_norms=lambda *a: calls.append(a[0].shape) or add_rms_norm_linear(*a))
+    fused = linear.add_rms_norm_linear
+    monkeypatch.setattr(linear, "add_rms_norm_linear", lambda *a: calls.append(a[0].shape) or fused(*a))
+    ops = _gpu_table("small_m_linear", "add_rms_norm_linear")  # the table a GPU resolves for these two ops
+    plan = plan_fusions(ops)
+    assert plan.one_row_linear and plan.prenorm_linear and not plan.rope_attention
+    ours, theirs, model = _run_both(name, tmp_path, "cpu", torch.float32, ops=ops, plan=plan)
     # GLM's float32 router takes the normed row as a tensor (its projection runs in fp32): not fused there
     fp32_routers = sum(bool(getattr(getattr(layer.mlp, "gate", None), "logits_fp32", False))
                        for layer in model.model.layers)
@@ -146,32 +152,38 @@ def test_decode_with_norms_fused_into_projections(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "glm4_moe"])
-def test_decode_with_rope_inside_attention(name, tmp_path):
+def test_decode_with_rope_inside_attention(name, tmp_path, monkeypatch):
     """The one-token step with q/k norm (Qwen3, GLM), RoPE (GLM: partial) and the cache write inside the
     attention kernel (rotary_paged_attention, Triton under the interpreter): same logits as transformers,
     one call per layer, and the prefill does not take it."""
     if not PLATFORM.triton_usable():
         pytest.skip("Triton does not run here")
-    from turnout.ops.triton.attention import rotary_paged_attention
+    from turnout.ops.triton import attention
 
     calls = []
-    ours, theirs, model = _run_both(name, tmp_path, "cpu", torch.float32,
-                                    rope_attention=lambda *a: calls.append(a[15]) or rotary_paged_attention(*a))
+    fused = attention.rotary_paged_attention
+    monkeypatch.setattr(attention, "rotary_paged_attention", lambda *a: calls.append(a[15]) or fused(*a))
+    ops = _gpu_table("rotary_paged_attention")
+    plan = plan_fusions(ops, rope_attention=True)
+    assert plan == FusionPlan(rope_attention=True)
+    ours, theirs, model = _run_both(name, tmp_path, "cpu", torch.float32, ops=ops, plan=plan)
     assert calls == [1] * model.config.num_hidden_layers  # max_query_len of the decode step only
     assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
 
 
-def test_norm_fusion_only_where_the_predicate_allows(tmp_path):
-    """``use_fused_prenorm(..., when)``: a projection whose (N, K) the predicate refuses (here the routers,
+def test_norm_fusion_only_where_the_predicate_allows(tmp_path, monkeypatch):
+    """``FusionPlan.prenorm_pays``: a projection whose (N, K) the predicate refuses (here the routers,
     N = 8 experts) gets the plain norm; the others stay fused; the logits do not change."""
     if not PLATFORM.triton_usable():
         pytest.skip("Triton does not run here")
-    from turnout.ops.triton.linear import add_rms_norm_linear
+    from turnout.ops.triton import linear
 
     shapes = []
+    fused = linear.add_rms_norm_linear
+    monkeypatch.setattr(linear, "add_rms_norm_linear", lambda *a: shapes.append(tuple(a[4].shape)) or fused(*a))
+    plan = FusionPlan(one_row_linear=True, prenorm_linear=True, prenorm_pays=lambda n, k: n != 8)
     ours, theirs, model = _run_both("qwen3_moe", tmp_path, "cpu", torch.float32,
-                                    fused_norms=lambda *a: shapes.append(tuple(a[4].shape)) or add_rms_norm_linear(*a),
-                                    fuse_when=lambda n, k: n != 8)
+                                    ops=_gpu_table("small_m_linear", "add_rms_norm_linear"), plan=plan)
     assert shapes and all(n != 8 for n, _ in shapes)
     assert len(shapes) == model.config.num_hidden_layers + 1  # every qkv, and the dense layer's gate_up
     assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
@@ -211,11 +223,11 @@ def test_decode_fused_kernels_bf16_gpu(name, tmp_path):
     """On the GPU in bf16, the batch-1 decode wiring with every fusion on (one-row projections, norms in the
     projections, q/k norm + RoPE + cache write inside attention) gives the same logits as the same model
     without them, within bf16 tolerance of HF's float32 logits."""
-    from turnout.ops.triton.attention import rotary_paged_attention
-    from turnout.ops.triton.linear import add_rms_norm_linear
-
-    fused, _, _ = _run_both(name, tmp_path / "fused", "cuda", torch.bfloat16, fused_norms=add_rms_norm_linear,
-                            rope_attention=rotary_paged_attention)
+    ops = resolve(PLATFORM, Policy())
+    plan = plan_fusions(ops, rope_attention=True)
+    assert plan.one_row_linear and plan.prenorm_linear and plan.rope_attention  # what a GPU's engine builds
+    # every projection fused here (the tiny shapes all pass norm_fusion_pays)
+    fused, _, _ = _run_both(name, tmp_path / "fused", "cuda", torch.bfloat16, ops=ops, plan=plan)
     plain, _, _ = _run_both(name, tmp_path / "plain", "cuda", torch.bfloat16)
     _, truth, _ = _run_both(name, tmp_path / "fp32", "cuda", torch.float32)
     rel_fused, rel_plain = _rel_err(fused, truth), _rel_err(plain, truth)

@@ -6,9 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from turnout.layers.embedding import LMHead
-from turnout.layers.linear import QKVParallelLinear, RowParallelLinear, use_small_m_linear
-from turnout.layers.moe.layer import Router
-from turnout.layers.moe.router import RoutingConfig
 from turnout.ops.reference.linear import small_m_linear as reference
 from turnout.platforms.detect import detect_platform
 
@@ -98,37 +95,6 @@ def test_more_than_16_rows_is_a_value_error():
             kernel(x.to(DEVICE), w.to(DEVICE))
         with pytest.raises(ValueError, match=r"weight \[N, K\]"):
             kernel(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 9, device=DEVICE))
-
-
-def test_layer_hook_routes_only_one_row_inputs():
-    """use_small_m_linear: one-row inputs go through the op, with the layer's bias (a row-parallel
-    layer's too), for linear layers and the LM head; more rows still use F.linear."""
-    calls = []
-
-    def op(x, w, b=None):
-        calls.append((x.shape[0], b is not None))
-        return reference(x, w, b)
-
-    torch.manual_seed(0)
-    qkv, row, head = QKVParallelLinear(16, 4, 2, 1, bias=True), RowParallelLinear(8, 16, bias=True), LMHead(32, 16)
-    router = Router(16, RoutingConfig(num_experts=4, top_k=2))
-    for mod in (qkv, row, head, router):
-        for p in mod.parameters():
-            p.data.normal_()
-    model = torch.nn.ModuleList([qkv, row, head, router])
-    x16 = torch.randn(1, 16)
-
-    def run():
-        return [qkv(x16), row(torch.ones(1, 8)), head(x16), *router(x16)]
-
-    before = run()
-    assert use_small_m_linear(model, op) == 4
-    after = run()
-    assert calls == [(1, True), (1, True), (1, False), (1, False)]
-    for a, b in zip(before, after):
-        torch.testing.assert_close(a, b)
-    qkv(torch.ones(3, 16))
-    assert len(calls) == 4  # three rows: F.linear
 
 
 @pytest.mark.gpu

@@ -56,6 +56,7 @@ class LLMEngine:
 
         from turnout.engine.model_runner import ModelRunner
         from turnout.kv.block_manager import BlockManager
+        from turnout.layers.fusion import plan_fusions
         from turnout.loader import load_model
         from turnout.ops import Policy, log_table, resolve
         from turnout.platforms import detect_platform
@@ -68,7 +69,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, load_format=config.load_format, dtype=config.dtype,
                             device=self.platform.device(0 if self.platform.is_gpu else None), ops=self.ops,
-                            seed=config.seed, tokenizer=config.tokenizer)
+                            seed=config.seed, tokenizer=config.tokenizer, plan=plan_fusions(self.ops))
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.model_name = config.served_model_name or _display_name(config.model, loaded)

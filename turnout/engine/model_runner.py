@@ -9,20 +9,13 @@ import time
 
 import torch
 
-from turnout import envs
 from turnout.engine.cuda_graphs import maybe_capture
 from turnout.layers.attention import AttentionMetadata
 from turnout.engine.sequence import SequenceFaults
 from turnout.layers.sampler import SamplerOutput, SamplingBatch, sample
 
-ROPE_ATTENTION_ENV = "TURNOUT_ROPE_ATTENTION"  # "0": q/k norm + RoPE + cache write outside attention
 logger = logging.getLogger(__name__)
 
-
-def _kernel_chosen(ops, name: str) -> str | None:
-    """The implementation id the op table chose for ``name``, or None when it has none beyond the reference."""
-    res = ops.resolutions.get(name)
-    return res.chosen if res is not None and res.chosen not in (None, "reference.torch") else None
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -56,11 +49,11 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(self.hf_config)
         if self.device.type == "cpu":
-            from turnout.layers.linear import use_k_major_weights
+            from turnout.layers.layout import use_k_major_weights
 
-            use_k_major_weights(self.model)  # faster CPU GEMMs for decode-shaped batches
-        if platform.is_gpu:
-            self._use_decode_kernels(ops)
+            use_k_major_weights(self.model)  # faster CPU GEMMs for decode-shaped batches (a re-layout of loaded weights)
+        # The decode fusions were fixed when the model was built (its fusion plan, turnout/layers/fusion.py).
+        logger.info("decode fusions: %s", self.model.plan.describe())
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]
@@ -70,40 +63,10 @@ class ModelRunner:
                     self.num_blocks * self.block_bytes / 2**30, self.dtype)
         self.graphs = maybe_capture(self)  # None: every step runs eagerly
 
-    def _use_decode_kernels(self, ops) -> None:
-        """Route batch-1 decode through the fused Triton ops where the op table chose a kernel for them. The
-        layers look each op up per call, so they see the implementation once its first call has settled it
-        (or fallen back)."""
-        from turnout.layers.linear import use_fused_prenorm, use_small_m_linear
-
-        if _kernel_chosen(ops, "small_m_linear"):
-            use_small_m_linear(self.model, lambda x, w, b=None: ops.small_m_linear(x, w, b))  # one-row projections
-        fused = _kernel_chosen(ops, "add_rms_norm_linear") if _kernel_chosen(ops, "small_m_linear") else None
-        if fused is not None:  # the fused kernel is the one-row projection's: only with it
-            # each pre-norm computed inside the one-row projection that reads it (PendingNorm), where the
-            # Triton kernel's measurements say it pays
-            when = None
-            if fused == "triton.default":
-                from turnout.ops.triton.linear import norm_fusion_pays as when
-            use_fused_prenorm(self.model, lambda x, r, nw, eps, w, b=None: ops.add_rms_norm_linear(
-                x, r, nw, eps, w, b), when)
-        if envs.get().rope_attention and _kernel_chosen(ops, "rotary_paged_attention"):
-            from turnout.layers.attention import use_rope_attention
-
-            # decode: q/k norm, RoPE and the cache write inside the attention kernel (-1.9 % per Qwen3-30B-A3B
-            # step on the H200, docs/benchmarks.md sixth session); read once, here
-            use_rope_attention(self.model, lambda *args: ops.rotary_paged_attention(*args))
-
     @property
     def pdl(self) -> bool:
-        """Whether the Triton kernels launch with programmatic dependent launch (turnout/ops/triton/_pdl.py)."""
-        if not self.platform.is_gpu:
-            return False
-        try:
-            from turnout.ops.triton._pdl import pdl_enabled
-        except ImportError:  # no Triton here
-            return False
-        return pdl_enabled(self.device)
+        """Whether the Triton kernels launch with programmatic dependent launch (the platform says)."""
+        return self.platform.pdl_enabled(self.device)
 
     @property
     def block_bytes(self) -> int:

@@ -62,15 +62,3 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
-
-
-def use_rope_attention(model: nn.Module, op) -> int:
-    """Let every attention block of ``model`` that has ``rope_attention`` run its decode steps through ``op``
-    (the ``rotary_paged_attention`` op: q/k norm, RoPE, cache write and attention in one kernel); None turns
-    it off. Returns the number of blocks."""
-    changed = 0
-    for mod in model.modules():
-        if hasattr(mod, "rope_attention"):
-            mod.rope_attention = op
-            changed += 1
-    return changed

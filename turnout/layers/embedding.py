@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turnout.layers.linear import default_weight_loader, project
+from turnout.layers.fusion import NO_FUSIONS, FusionPlan
+from turnout.layers.linear import one_row_path, project
+from turnout.layers.weights import default_weight_loader
 
 
 class VocabEmbedding(nn.Module):
@@ -30,11 +32,12 @@ class LMHead(nn.Module):
 
     ``tie_to``: share the embedding's weight (``tie_word_embeddings``). The shared parameter is then
     registered once, under the embedding's name, so a checkpoint's redundant ``lm_head.weight`` is
-    an ignorable extra, not a second parameter to fill.
+    an ignorable extra, not a second parameter to fill. ``ops`` and ``plan``: as for the linear layers
+    (with ``plan.one_row_linear`` a one-row batch goes through ``ops.small_m_linear``).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
-                 tie_to: VocabEmbedding | None = None):
+                 tie_to: VocabEmbedding | None = None, *, ops=None, plan: FusionPlan = NO_FUSIONS):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tied = tie_to is not None
@@ -51,13 +54,12 @@ class LMHead(nn.Module):
             self.bias.weight_loader = default_weight_loader
         else:
             self.register_parameter("bias", None)
-
-    small_m = None  # see turnout.layers.linear.use_small_m_linear
+        self.one_row_ops, _ = one_row_path(ops, plan, num_embeddings, embedding_dim)  # never given a pending norm
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32; with ``out`` (float32 [N, V]) written there, the cast and the
         store in one kernel (a captured decode step writes its static logits buffer so)."""
-        logits = project(hidden, self.weight, self.bias, self.small_m)
+        logits = project(hidden, self.weight, self.bias, self.one_row_ops)
         if out is None:
             return logits.float()
         return out.copy_(logits)

@@ -16,19 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str = "") -> None:
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"shape mismatch{' for ' + what if what else ''}: checkpoint tensor "
-                         f"{tuple(loaded.shape)}, parameter expects {tuple(param.shape)}")
-
-
-def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
-    """Copy a whole tensor (any dtype/device) into ``param`` after checking the shape."""
-    if shard_id is not None:
-        raise ValueError(f"unexpected shard {shard_id!r} for an unpacked parameter")
-    _check_shape(param, loaded_weight)
-    param.data.copy_(loaded_weight)
+from turnout.layers.fusion import NO_FUSIONS, FusionPlan
+from turnout.layers.weights import check_shape as _check_shape
+from turnout.layers.weights import default_weight_loader
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -36,22 +26,33 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_m) -> torch.Tensor:
-    """F.linear, or the ``small_m_linear`` op for a one-row input when a model was given it. ``x`` may also be
-    a norm not yet computed (``turnout.layers.norm.PendingNorm``), which this projection may fuse."""
+def project(x, weight: torch.Tensor, bias: torch.Tensor | None, one_row_ops=None,
+            takes_norm: bool = False) -> torch.Tensor:
+    """x W^T (+ b): ``F.linear``, or for a one-row ``x`` the ``small_m_linear`` op of ``one_row_ops`` (the op
+    table, where the fusion plan routes one-row projections through it; None: never).
+
+    ``x`` may also be a pre-norm not computed yet (``turnout.layers.norm.PendingNorm``). A projection that
+    ``takes_norm`` (the plan fuses the norm into projections of its shape) lets it compute the norm inside
+    this projection's kernel; any other takes the normed tensor."""
     if not isinstance(x, torch.Tensor):
-        return x.project(weight, bias, small_m)
-    if small_m is not None and x.dim() == 2 and x.shape[0] == 1:
-        return small_m(x, weight, bias)
+        y = x.fused_projection(weight, bias) if takes_norm else None
+        if y is not None:
+            return y
+        x = x.tensor()
+    if one_row_ops is not None and x.dim() == 2 and x.shape[0] == 1:
+        return one_row_ops.small_m_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b); ``weight`` [out_local, in_local]."""
+    """y = x W^T (+ b); ``weight`` [out_local, in_local].
 
-    small_m = None  # the small_m_linear op for one-row inputs (``use_small_m_linear``); None: F.linear
+    ``ops`` and ``plan`` (turnout/layers/fusion.py) choose the one-row path when the layer is built: with
+    ``plan.one_row_linear`` one-row inputs go through ``ops.small_m_linear``, and the layer takes a pending
+    pre-norm into its own kernel where ``plan.fuses_prenorm`` says so for its weight shape."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0, tp_size: int = 1, *,
+                 ops=None, plan: FusionPlan = NO_FUSIONS):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -62,6 +63,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.one_row_ops, self.takes_norm = one_row_path(ops, plan, *self.weight.shape)
 
     def local_shape(self, out: int, inp: int) -> tuple[int, int]:
         return out, inp
@@ -70,10 +72,20 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.small_m)
+        return project(x, self.weight, self.bias, self.one_row_ops, self.takes_norm)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+
+
+def one_row_path(ops, plan: FusionPlan, n: int, k: int):
+    """(op table for one-row projections or None, whether a pending pre-norm is computed inside this
+    projection) for a projection with weight [n, k] under ``plan``."""
+    if not plan.one_row_linear:
+        return None, False
+    if ops is None:
+        raise ValueError("a fusion plan with one_row_linear needs the op table (ops=...)")
+    return ops, plan.fuses_prenorm(n, k)
 
 
 class ReplicatedLinear(LinearBase):
@@ -118,15 +130,16 @@ class RowParallelLinear(LinearBase):
     def forward(self, x):
         # With tp_size > 1 only rank 0 adds the bias, so the reduced sum carries it once.
         bias = self.bias if self.tp_rank == 0 else None
-        return project(x, self.weight, bias, self.small_m)
+        return project(x, self.weight, bias, self.one_row_ops, self.takes_norm)
 
 
 class _PackedColumnLinear(ColumnParallelLinear):
     """Several column projections stored as one weight; each checkpoint shard loads into its rows."""
 
-    def __init__(self, input_size: int, shard_sizes: dict, bias: bool, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, input_size: int, shard_sizes: dict, bias: bool, tp_rank: int = 0, tp_size: int = 1, *,
+                 ops=None, plan: FusionPlan = NO_FUSIONS):
         self.shard_sizes = dict(shard_sizes)  # shard id -> full (all ranks) output size
-        super().__init__(input_size, sum(self.shard_sizes.values()), bias, tp_rank, tp_size)
+        super().__init__(input_size, sum(self.shard_sizes.values()), bias, tp_rank, tp_size, ops=ops, plan=plan)
         self.shard_offsets, off = {}, 0  # shard id -> (local offset, local size)
         for sid, size in self.shard_sizes.items():
             local = _split(size, tp_size, f"shard {sid!r} size")
@@ -155,8 +168,8 @@ class MergedColumnParallelLinear(_PackedColumnLinear):
     """Projections of sizes ``output_sizes`` from the same input, shards 0, 1, ... (e.g. gate_up_proj)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1):
-        super().__init__(input_size, dict(enumerate(output_sizes)), bias, tp_rank, tp_size)
+                 tp_size: int = 1, *, ops=None, plan: FusionPlan = NO_FUSIONS):
+        super().__init__(input_size, dict(enumerate(output_sizes)), bias, tp_rank, tp_size, ops=ops, plan=plan)
 
 
 class QKVParallelLinear(_PackedColumnLinear):
@@ -166,12 +179,13 @@ class QKVParallelLinear(_PackedColumnLinear):
     """
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1, *, ops=None, plan: FusionPlan = NO_FUSIONS):
         self.head_dim = head_dim
         self.num_heads = _split(total_num_heads, tp_size, "num_heads")
         self.num_kv_heads = _split(total_num_kv_heads, tp_size, "num_kv_heads")
         super().__init__(hidden_size, {"q": total_num_heads * head_dim, "k": total_num_kv_heads * head_dim,
-                                       "v": total_num_kv_heads * head_dim}, bias, tp_rank, tp_size)
+                                       "v": total_num_kv_heads * head_dim}, bias, tp_rank, tp_size, ops=ops,
+                         plan=plan)
 
     @property
     def q_size(self) -> int:
@@ -180,56 +194,3 @@ class QKVParallelLinear(_PackedColumnLinear):
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-
-def use_k_major_weights(model: nn.Module) -> int:
-    """Store every linear weight [N, K] as the transposed view of a contiguous [K, N] tensor.
-
-    Semantics are unchanged (``F.linear`` sees the same [N, K] values), but on CPU BLAS runs
-    30-40 % faster on the skinny GEMMs of decoding with this layout (measured on AVX-512 Xeons, M = 32).
-    Embedding tables are left alone (a tied LM head shares them and row gathers want rows contiguous).
-    Returns the number of weights changed.
-    """
-    from turnout.layers.embedding import LMHead, VocabEmbedding
-
-    shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabEmbedding)}
-    changed = 0
-    for mod in model.modules():
-        if isinstance(mod, (LinearBase, LMHead)) and mod.weight.dim() == 2 and id(mod.weight) not in shared:
-            mod.weight.data = mod.weight.data.t().contiguous().t()
-            changed += 1
-    return changed
-
-
-def use_small_m_linear(model: nn.Module, op) -> int:
-    """Run every linear layer, MoE router and LM head through ``op`` (the ``small_m_linear`` op) for
-    one-row inputs.
-
-    At batch-1 decode each projection is a weight stream; on the H200 the Triton kernel reads it at or
-    above cuBLAS's rate on every projection of Qwen3-8B and Qwen3-30B-A3B (docs/benchmarks.md). Beyond one
-    row, F.linear. Returns the number of modules changed.
-    """
-    from turnout.layers.embedding import LMHead
-    from turnout.layers.moe.layer import Router
-
-    changed = 0
-    for mod in model.modules():
-        if isinstance(mod, (LinearBase, LMHead, Router)):
-            mod.small_m = op
-            changed += 1
-    return changed
-
-
-def use_fused_prenorm(model: nn.Module, op, when=None) -> int:
-    """Let every decoder layer of ``model`` fuse its two pre-norms into the projections that read them at
-    batch-1 decode, through ``op`` (the ``add_rms_norm_linear`` op; None turns it off again), for the
-    projection shapes where ``when(N, K)`` is true (None: all). Only with ``use_small_m_linear``: the fused
-    kernel is the one-row projection's. Returns the number of layers."""
-    changed = 0
-    for mod in model.modules():
-        if hasattr(mod, "prenorm_linear"):
-            mod.prenorm_linear = op
-            mod.prenorm_when = when
-            changed += 1
-    return changed
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from turnout.layers.linear import default_weight_loader
+from turnout.layers.weights import default_weight_loader
 
 
 class RMSNorm(nn.Module):
@@ -35,18 +35,18 @@ class RMSNorm(nn.Module):
 class PendingNorm:
     """``rms_norm(x + residual)`` not computed yet: the first one-row projection that reads it computes it.
 
-    At batch-1 decode on a GPU, a decoder layer hands one of these to its attention and MLP blocks (those whose
-    class sets ``takes_pending_norm``) instead of the normed tensor. The block's first projection goes
-    through ``project`` (turnout/layers/linear.py), which calls ``.project``: the ``add_rms_norm_linear`` op
-    normalises the row inside the projection's own kernel, so the norm costs neither a kernel nor a
-    dependent memory round trip, and it also returns the normed row and x + residual for the rest of the
-    layer. Anything else that needs the values calls ``.tensor()``; without the fused op (other rows, no
-    op) that runs the plain ``fused_add_rms_norm`` in place, exactly the unfused layer.
+    At batch-1 decode, where the fusion plan fuses pre-norms (``plan.prenorm_linear``), a decoder layer hands
+    one of these to its attention and MLP blocks (those whose class sets ``takes_pending_norm``) instead of
+    the normed tensor. The block's first projection that takes norms (``takes_norm``, decided for its shape
+    when it was built) calls ``fused_projection``: the ``add_rms_norm_linear`` op normalises the row inside
+    the projection's own kernel, so the norm costs neither a kernel nor a dependent memory round trip, and it
+    also returns the normed row and x + residual for the rest of the layer. Anything else that needs the
+    values calls ``.tensor()``, which runs the plain ``fused_add_rms_norm`` in place, exactly the unfused
+    layer.
     """
 
-    def __init__(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, fused_op, fuse_when=None):
-        self.norm, self.x, self.residual_in, self.fused_op = norm, x, residual, fused_op
-        self.fuse_when = fuse_when  # (N, K) -> whether the fused kernel pays for this projection; None: always
+    def __init__(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+        self.norm, self.x, self.residual_in = norm, x, residual
         self._normed: torch.Tensor | None = None
         self._residual: torch.Tensor | None = None
 
@@ -57,15 +57,14 @@ class PendingNorm:
     def dim(self) -> int:
         return self.x.dim()
 
-    def project(self, weight: torch.Tensor, bias: torch.Tensor | None, small_m) -> torch.Tensor:
-        from turnout.layers.linear import project
-
-        if (self._normed is None and self.fused_op is not None and small_m is not None and self.x.shape[0] == 1
-                and (self.fuse_when is None or self.fuse_when(*weight.shape))):
-            y, self._residual, self._normed = self.fused_op(self.x, self.residual_in, self.norm.weight, self.norm.eps,
-                                                            weight, bias)
-            return y
-        return project(self.tensor(), weight, bias, small_m)
+    def fused_projection(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """normed W^T (+ b) in one ``add_rms_norm_linear`` launch, keeping the normed row and the residual;
+        None once the norm is computed (a later projection takes ``.tensor()``) or beyond one row."""
+        if self._normed is not None or self.x.shape[0] != 1:
+            return None
+        y, self._residual, self._normed = self.norm.ops.add_rms_norm_linear(
+            self.x, self.residual_in, self.norm.weight, self.norm.eps, weight, bias)
+        return y
 
     def tensor(self) -> torch.Tensor:
         """The normed values [T, H] (computed now if no projection has yet)."""

@@ -6,13 +6,16 @@ A model family is a subclass that sets a few class attributes:
   biased, o_proj not).
 - ``qk_norm``: RMSNorm over each head of q and k before rope (Qwen3, GLM-4 MoE with ``use_qk_norm``).
 - ``rope_is_neox``: rotate halves (True) or interleaved pairs.
-- ``make_mlp(config, layer_idx, ops)``: the feed-forward block of layer ``layer_idx``, a module
+- ``make_mlp(config, layer_idx, ops, plan)``: the feed-forward block of layer ``layer_idx``, a module
   ``forward(hidden [T, H]) -> [T, H]`` whose parameters sit under ``model.layers.{i}.mlp``. The
   default is the dense SwiGLU ``DenseMLP``; an MoE family returns its sparse block for the layers
-  that have experts (and ``DenseMLP(config, ops, intermediate_size=...)`` for dense ones, e.g.
+  that have experts (and ``DenseMLP(config, ops, intermediate_size=..., plan=plan)`` for dense ones, e.g.
   GLM-4 MoE's ``first_k_dense_replace``). Its weight mapping extends ``packed_modules_mapping`` /
-  ``weight_name_rules`` / ``ignored_weights`` on the class (see ``turnout.loader.weight_map``).
-- ``make_attention(config, layer_idx, ops, rotary)``: likewise for the attention block.
+  ``weight_name_rules`` / ``ignored_weights`` on the class (see ``turnout.models.weight_map``).
+- ``make_attention(config, layer_idx, ops, rotary, plan)``: likewise for the attention block.
+
+``plan`` is the fusion plan (turnout/layers/fusion.py): which fused decode kernels the layers use, fixed
+when the model is built; pass it on to every block and projection.
 
 Parameter names follow HF's (``model.layers.{i}.self_attn.qkv_proj`` packs ``q_proj``/``k_proj``/
 ``v_proj``; ``mlp.gate_up_proj`` packs ``gate_proj``/``up_proj``), so checkpoints load through the map.
@@ -28,6 +31,7 @@ from torch import nn
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.attention import Attention, AttentionMetadata
 from turnout.layers.embedding import LMHead, VocabEmbedding
+from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from turnout.layers.norm import PendingNorm, RMSNorm
 from turnout.layers.rotary import RotaryEmbedding, get_rope
@@ -40,15 +44,16 @@ def head_dim_of(config) -> int:
 class DenseMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into ``gate_up_proj``."""
 
-    def __init__(self, config, ops, intermediate_size: int | None = None, bias: bool | None = None):
+    def __init__(self, config, ops, intermediate_size: int | None = None, bias: bool | None = None,
+                 plan: FusionPlan = NO_FUSIONS):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
         bias = getattr(config, "mlp_bias", False) if bias is None else bias
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, ops=ops, plan=plan)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, ops=ops, plan=plan)
         self.act_fn = SiluAndMul(ops)
 
     takes_pending_norm = True  # gate_up_proj may compute the layer's pre-norm (PendingNorm)
@@ -60,25 +65,27 @@ class DenseMLP(nn.Module):
 class DecoderAttention(nn.Module):
     """qkv projection, optional per-head q/k norm, rope, paged attention, output projection."""
 
-    def __init__(self, config, ops, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, ops, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 plan: FusionPlan = NO_FUSIONS):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                                          bias=qkv_bias)
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+                                          bias=qkv_bias, ops=ops, plan=plan)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias, ops=ops,
+                                        plan=plan)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.qk_norm = qk_norm
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ops)
+        # plan.rope_attention: at decode, q/k norm, RoPE, the cache write and attention in one kernel (the
+        # rotary_paged_attention op); None: the separate ops. (benchmarks/decode_ablation.py swaps it out.)
+        self.rope_attention = (lambda *args: ops.rotary_paged_attention(*args)) if plan.rope_attention else None
 
     takes_pending_norm = True  # qkv_proj may compute the layer's pre-norm (PendingNorm)
-    # The rotary_paged_attention op (``use_rope_attention``): at decode, q/k norm, RoPE, the cache write and
-    # attention in one kernel. None: the separate ops.
-    rope_attention = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata):
         t = hidden.shape[0]
@@ -104,20 +111,18 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, config, ops):
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, config, ops, plan: FusionPlan = NO_FUSIONS):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-
-    # The add_rms_norm_linear op (``use_fused_prenorm``): at one row each pre-norm is computed inside the
-    # first projection that reads it, not by a kernel of its own. None: the plain norms.
-    prenorm_linear = None
-    prenorm_when = None  # (N, K) -> whether to fuse into a projection of that shape; None: always
+        # plan.prenorm_linear: at one row each pre-norm is computed inside the first projection that reads it
+        # (add_rms_norm_linear, where the projection's shape takes it), not by a kernel of its own.
+        self.fuse_prenorms = plan.prenorm_linear
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
-        if self.prenorm_linear is not None and hidden.shape[0] == 1:
+        if self.fuse_prenorms and hidden.shape[0] == 1:
             return self._forward_fused_norms(positions, hidden, residual, kv_cache, meta)
         if residual is None:  # first layer: the embedding output is the residual stream
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -128,9 +133,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def _forward_fused_norms(self, positions, hidden, residual, kv_cache, meta):
-        x = PendingNorm(self.input_layernorm, hidden, residual, self.prenorm_linear, self.prenorm_when)
+        x = PendingNorm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, _block_input(x, self.self_attn), kv_cache, meta)
-        x = PendingNorm(self.post_attention_layernorm, hidden, x.residual, self.prenorm_linear, self.prenorm_when)
+        x = PendingNorm(self.post_attention_layernorm, hidden, x.residual)
         hidden = self.mlp(_block_input(x, self.mlp))
         return hidden, x.residual
 
@@ -143,13 +148,14 @@ def _block_input(x: PendingNorm, block: nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, the layers, the final norm. Built by ``DecoderForCausalLM``, which supplies the hooks."""
 
-    def __init__(self, config, ops, family: "DecoderForCausalLM"):
+    def __init__(self, config, ops, family: "DecoderForCausalLM", plan: FusionPlan = NO_FUSIONS):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         rotary = get_rope(config, head_dim_of(config), config.max_position_embeddings, ops,
                           is_neox=family.rope_is_neox)  # one cos/sin cache shared by every layer
         self.layers = nn.ModuleList(
-            DecoderLayer(family.make_attention(config, i, ops, rotary), family.make_mlp(config, i, ops), config, ops)
+            DecoderLayer(family.make_attention(config, i, ops, rotary, plan), family.make_mlp(config, i, ops, plan),
+                         config, ops, plan)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -162,7 +168,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """``cls(config, ops)`` under the target device and default dtype; see the module docstring."""
+    """``cls(config, ops, plan)`` under the target device and default dtype; see the module docstring."""
 
     qkv_bias: bool | None = None
     o_bias: bool | None = None
@@ -175,26 +181,28 @@ class DecoderForCausalLM(nn.Module):
     weight_name_rules: list = []
     ignored_weights: tuple[str, ...] = ()
 
-    def __init__(self, config, ops):
+    def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS):
         super().__init__()
         self.config = config
         self.ops = ops
-        self.model = DecoderModel(config, ops, self)
+        self.plan = plan
+        self.model = DecoderModel(config, ops, self, plan)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                              tie_to=self.model.embed_tokens if tied else None)
+                              tie_to=self.model.embed_tokens if tied else None, ops=ops, plan=plan)
         if tied:  # some tied checkpoints still store the head; it is the embedding, so drop it
             self.ignored_weights = (*type(self).ignored_weights, r"^lm_head\.weight$")
 
-    def make_attention(self, config, layer_idx: int, ops, rotary: RotaryEmbedding) -> nn.Module:
+    def make_attention(self, config, layer_idx: int, ops, rotary: RotaryEmbedding,
+                       plan: FusionPlan = NO_FUSIONS) -> nn.Module:
         bias = bool(getattr(config, "attention_bias", False))
         return DecoderAttention(config, ops, rotary,
                                 qkv_bias=bias if self.qkv_bias is None else self.qkv_bias,
                                 o_bias=bias if self.o_bias is None else self.o_bias,
-                                qk_norm=self.qk_norm)
+                                qk_norm=self.qk_norm, plan=plan)
 
-    def make_mlp(self, config, layer_idx: int, ops) -> nn.Module:
-        return DenseMLP(config, ops)
+    def make_mlp(self, config, layer_idx: int, ops, plan: FusionPlan = NO_FUSIONS) -> nn.Module:
+        return DenseMLP(config, ops, plan=plan)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

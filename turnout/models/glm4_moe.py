@@ -6,6 +6,7 @@ optional per-head q/k norm (``use_qk_norm``), rope on the first ``partial_rotary
 not part of the causal LM and are skipped.
 """
 
+from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.moe.experts import expert_weight_rules
 from turnout.layers.moe.layer import SparseMoeBlock, is_moe_layer
 from turnout.layers.moe.router import RoutingConfig
@@ -16,21 +17,21 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
     o_bias = False
     weight_name_rules = expert_weight_rules()
 
-    def __init__(self, config, ops):
-        super().__init__(config, ops)
+    def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS):
+        super().__init__(config, ops, plan)
         first = config.num_hidden_layers
         mtp = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
         if mtp:
             layers = "|".join(str(i) for i in range(first, first + mtp))
             self.ignored_weights = (*self.ignored_weights, rf"^model\.layers\.({layers})\.")
 
-    def make_attention(self, config, layer_idx: int, ops, rotary):
+    def make_attention(self, config, layer_idx: int, ops, rotary, plan: FusionPlan = NO_FUSIONS):
         return DecoderAttention(config, ops, rotary, qkv_bias=bool(getattr(config, "attention_bias", False)),
-                                o_bias=False, qk_norm=bool(getattr(config, "use_qk_norm", False)))
+                                o_bias=False, qk_norm=bool(getattr(config, "use_qk_norm", False)), plan=plan)
 
-    def make_mlp(self, config, layer_idx: int, ops):
+    def make_mlp(self, config, layer_idx: int, ops, plan: FusionPlan = NO_FUSIONS):
         if not is_moe_layer(config, layer_idx):
-            return DenseMLP(config, ops, intermediate_size=config.intermediate_size)
+            return DenseMLP(config, ops, intermediate_size=config.intermediate_size, plan=plan)
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, RoutingConfig.from_hf_config(config),
                               ops, shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
-                              router_logits_fp32=True)
+                              router_logits_fp32=True, plan=plan)

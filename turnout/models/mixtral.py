@@ -5,6 +5,7 @@ names: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1`` (gate) 
 (down); ours live under ``mlp`` like every other family.
 """
 
+from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.moe.experts import expert_weight_rules
 from turnout.layers.moe.layer import SparseMoeBlock
 from turnout.layers.moe.router import RoutingConfig
@@ -19,6 +20,7 @@ class MixtralForCausalLM(DecoderForCausalLM):
         (r"(^|\.)block_sparse_moe\.experts\.(gate_up_proj|down_proj)$", r"\g<1>mlp.experts.\g<2>", None),
     ]
 
-    def make_mlp(self, config, layer_idx: int, ops):
+    def make_mlp(self, config, layer_idx: int, ops, plan: FusionPlan = NO_FUSIONS):
         # Mixtral experts are `intermediate_size` wide; there are no dense layers.
-        return SparseMoeBlock(config.hidden_size, config.intermediate_size, RoutingConfig.from_hf_config(config), ops)
+        return SparseMoeBlock(config.hidden_size, config.intermediate_size, RoutingConfig.from_hf_config(config), ops,
+                              plan=plan)

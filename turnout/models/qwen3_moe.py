@@ -4,6 +4,7 @@ Routing: softmax over all experts, top-k, renormalised when ``norm_topk_prob``. 
 ``mlp_only_layers`` and layers off ``decoder_sparse_step``.
 """
 
+from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.moe.experts import expert_weight_rules
 from turnout.layers.moe.layer import SparseMoeBlock, is_moe_layer
 from turnout.layers.moe.router import RoutingConfig
@@ -14,8 +15,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     qk_norm = True
     weight_name_rules = expert_weight_rules()
 
-    def make_mlp(self, config, layer_idx: int, ops):
+    def make_mlp(self, config, layer_idx: int, ops, plan: FusionPlan = NO_FUSIONS):
         if not getattr(config, "num_experts", 0) or not is_moe_layer(config, layer_idx):
-            return DenseMLP(config, ops, intermediate_size=config.intermediate_size)
+            return DenseMLP(config, ops, intermediate_size=config.intermediate_size, plan=plan)
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, RoutingConfig.from_hf_config(config),
-                              ops)
+                              ops, plan=plan)

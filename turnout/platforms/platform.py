@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+
+from turnout import envs
 
 DEFAULT_FAMILY_ORDER = ("vendor", "triton", "reference")
 
@@ -51,8 +54,6 @@ class Platform:
 
     def triton_usable(self) -> tuple[bool, str]:
         """Whether Triton kernels can run on this platform's tensors right now."""
-        from turnout import envs
-
         if self.triton_backend:
             return True, "compiled Triton backend"
         if envs.get().triton_interpret:
@@ -77,3 +78,38 @@ class Platform:
 
     def supports_graphs(self) -> bool:
         return self.name in ("cuda", "rocm")
+
+    def pdl_enabled(self, device=None) -> bool:
+        """Whether Triton kernels launched on ``device`` (default: this platform's first) use programmatic
+        dependent launch (turnout/ops/triton/_pdl.py): see ``triton_pdl_enabled``."""
+        return self.is_gpu and triton_pdl_enabled(self.device(0) if device is None else device)
+
+
+def triton_pdl_enabled(device) -> bool:
+    """Whether Triton kernels on ``device`` launch with programmatic dependent launch: a CUDA device of
+    sm90 or later, a Triton that has the gdc intrinsics and the ``launch_pdl`` option, ``TURNOUT_PDL`` on
+    and not the interpreter. The kernels (turnout/ops/triton/_pdl.py) and the engine both ask here; a kernel
+    launch asks too, so the common path is two attribute reads and a cached call."""
+    if device.type != "cuda" or not envs.get().pdl:
+        return False
+    if device.index is None:
+        import torch
+
+        return _pdl_supported(torch.cuda.current_device())
+    return _pdl_supported(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported(device_index: int) -> bool:
+    import torch
+
+    if envs.get().triton_interpret or torch.version.hip:
+        return False
+    try:  # Triton >= 3.3 (NVIDIA backend)
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:  # older Triton or another backend: PDL stays off
+        return False
+    if torch.cuda.get_device_capability(device_index) < (9, 0):
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})

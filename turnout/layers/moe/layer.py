@@ -19,17 +19,21 @@ import torch
 from torch import nn
 
 from turnout.layers.activation import SiluAndMul
-from turnout.layers.linear import (MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, default_weight_loader,
-                                   project)
+from turnout.layers.fusion import NO_FUSIONS, FusionPlan
+from turnout.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, one_row_path, project
 from turnout.layers.moe.experts import FusedExperts
 from turnout.layers.moe.router import RoutingConfig, select_experts
 from turnout.layers.norm import resolve
+from turnout.layers.weights import default_weight_loader
 
 
 class Router(nn.Module):
-    """``weight`` [E, H]; optional ``e_score_correction_bias`` [E] and ``per_expert_scale`` [E] (float32)."""
+    """``weight`` [E, H]; optional ``e_score_correction_bias`` [E] and ``per_expert_scale`` [E] (float32).
+    ``plan``: one-row logits through ``ops.small_m_linear`` and, for a bf16/fp16 gate, the layer's pending
+    pre-norm computed inside that projection where the plan fuses it for [E, H]."""
 
-    def __init__(self, hidden_size: int, routing: RoutingConfig, logits_fp32: bool = False, ops=None):
+    def __init__(self, hidden_size: int, routing: RoutingConfig, logits_fp32: bool = False, ops=None,
+                 plan: FusionPlan = NO_FUSIONS):
         super().__init__()
         self.routing = routing
         self.ops = ops
@@ -46,16 +50,17 @@ class Router(nn.Module):
             else:
                 setattr(self, name, None)
         self.weight.weight_loader = default_weight_loader
-
-    small_m = None  # see turnout.layers.linear.use_small_m_linear
+        self.one_row_ops, takes_norm = one_row_path(ops, plan, e, hidden_size)
+        # A float32 gate projects the normed row in float32: it takes the tensor, never the pending norm.
+        self.takes_norm = takes_norm and not logits_fp32
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k])."""
         if self.logits_fp32:
             x = resolve(x)
-            logits = project(x.float(), self.weight.float(), None, self.small_m)  # [T, E]
+            logits = project(x.float(), self.weight.float(), None, self.one_row_ops)  # [T, E]
         else:
-            logits = project(x, self.weight, None, self.small_m)
+            logits = project(x, self.weight, None, self.one_row_ops, self.takes_norm)
         return select_experts(logits, self.routing, self.e_score_correction_bias, self.per_expert_scale,
                               ops=self.ops)
 
@@ -63,10 +68,11 @@ class Router(nn.Module):
 class SharedExpertMLP(nn.Module):
     """A dense SwiGLU expert every token goes through (HF names: gate_proj/up_proj packed, down_proj)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, ops):
+    def __init__(self, hidden_size: int, intermediate_size: int, ops, plan: FusionPlan = NO_FUSIONS):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size],
+                                                       ops=ops, plan=plan)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, ops=ops, plan=plan)
         self.act_fn = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,20 +91,21 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe_intermediate_size: int, routing: RoutingConfig, ops, *,
                  shared_intermediate_size: int = 0, shared_gated: bool = False,
                  shared_name: str = "shared_experts", latent_size: int | None = None,
-                 router_logits_fp32: bool = False):
+                 router_logits_fp32: bool = False, plan: FusionPlan = NO_FUSIONS):
         super().__init__()
         self.routing = routing
-        self.gate = Router(hidden_size, routing, logits_fp32=router_logits_fp32, ops=ops)
+        self.gate = Router(hidden_size, routing, logits_fp32=router_logits_fp32, ops=ops, plan=plan)
         expert_dim = latent_size or hidden_size
         self.latent = latent_size is not None and latent_size != hidden_size
         if self.latent:
-            self.fc1_latent_proj = ReplicatedLinear(hidden_size, latent_size, bias=False)
-            self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden_size, bias=False)
+            self.fc1_latent_proj = ReplicatedLinear(hidden_size, latent_size, bias=False, ops=ops, plan=plan)
+            self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden_size, bias=False, ops=ops, plan=plan)
         self.experts = FusedExperts(routing.num_experts, expert_dim, moe_intermediate_size, ops)
         self.shared_name = shared_name if shared_intermediate_size else None
         if shared_intermediate_size:
-            self.add_module(shared_name, SharedExpertMLP(hidden_size, shared_intermediate_size, ops))
-            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False) if shared_gated else None
+            self.add_module(shared_name, SharedExpertMLP(hidden_size, shared_intermediate_size, ops, plan))
+            self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, bias=False, ops=ops, plan=plan)
+                                       if shared_gated else None)
 
     takes_pending_norm = True  # the router's projection may compute the layer's pre-norm (PendingNorm)
 

@@ -24,13 +24,12 @@ kernels compile exactly as before).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from turnout import envs
+from turnout.platforms.platform import triton_pdl_enabled
 
 try:  # Triton >= 3.3 (NVIDIA backend)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -58,23 +57,9 @@ def pdl_wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@functools.lru_cache(maxsize=None)
-def _supported(device_index: int) -> bool:
-    if gdc_wait is None or envs.get().triton_interpret or torch.version.hip:
-        return False
-    if torch.cuda.get_device_capability(device_index) < (9, 0):
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:  # pragma: no cover
-        return False
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
 def pdl_enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or not envs.get().pdl:
-        return False
-    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+    """Whether kernels on ``device`` launch with PDL (the one answer the engine also gets, from its platform)."""
+    return triton_pdl_enabled(device)
 
 
 def early_kernels() -> frozenset:
