@@ -1,7 +1,8 @@
 """A small stand-in for LLMEngine (same interface) for edge-case unit tests of the server.
 
 Tokens are bytes (id = byte value); generation is deterministic: each step every running request gets
-one letter derived from (seed, position). `fail_after_steps` makes step() raise, to test engine death.
+one letter derived from (seed, position). `fail_after_steps` makes step() raise, to test engine death;
+the stop string ``FAIL-REQUEST`` makes that request alone fail (RequestOutput.error) at its second token.
 """
 
 from __future__ import annotations
@@ -129,7 +130,12 @@ class FakeEngine:
                     lps = [{t: Logprob(-0.5, 1, chr(t))} | {ord("z"): Logprob(-2.0, 2, "z")} for t in toks]
                 comps.append(CompletionOutput(i, text, list(toks), None, lps, r.finish[i], stop_reason))
             done = all(f is not None for f in r.finish)
-            outputs.append(RequestOutput(rid, None, r.prompt_ids, comps, done))
+            error = None
+            if "FAIL-REQUEST" in p.stop_strings and len(r.outs[0]) >= 2:  # a fault traced to this request
+                error, done = "injected fault in this request's sampling inputs", True
+                for c in comps:
+                    c.finish_reason, c.stop_reason = "error", error
+            outputs.append(RequestOutput(rid, None, r.prompt_ids, comps, done, error=error))
             if done:
                 del self.running[rid]
         self.stats.num_running = len(self.running)

@@ -222,3 +222,28 @@ def test_async_engine_queue_full_and_death():
             await ae.add_request("d", "x", SamplingParams())
 
     asyncio.run(go())
+
+
+def test_a_fault_traced_to_one_request_fails_it_alone(fake_server):
+    """RequestOutput.error (the engine isolated a fault to this request): that client gets a 500 naming it,
+    in-band when streaming; a request running beside it finishes; the server stays healthy."""
+    import threading
+
+    eng = FakeEngine(step_delay=0.02)
+    with fake_server(engine=eng) as srv:
+        url = f"{srv.base_url}/v1/completions"
+        other = {}
+        t = threading.Thread(target=lambda: other.update(r=httpx.post(url, json={"prompt": "ok", "max_tokens": 12},
+                                                                       timeout=30)))
+        t.start()
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 10, "stop": ["FAIL-REQUEST"]}, timeout=30)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == "request_failed" and "injected fault" in err["message"]
+        with httpx.stream("POST", url, json={"prompt": "x", "max_tokens": 10, "stream": True,
+                                             "stop": ["FAIL-REQUEST"]}, timeout=30) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and '"request_failed"' in events[-2]
+        t.join(30)
+        assert other["r"].status_code == 200 and other["r"].json()["usage"]["completion_tokens"] == 12
+        assert httpx.get(f"{srv.base_url}/health").status_code == 200

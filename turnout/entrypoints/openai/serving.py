@@ -105,7 +105,20 @@ async def _admit(state, items) -> list[RequestStream]:
         raise from_value_error(e) from None
 
 
+def _request_failed(out) -> APIError | None:
+    """A fault the engine traced to this request (RequestOutput.error): it failed alone, the engine lives.
+    Not the client's mistake as far as the server can tell (validation let it through): a 500 naming it."""
+    err = getattr(out, "error", None)
+    if err is None:
+        return None
+    logger.error("request %s failed inside the engine: %s", out.request_id, err)
+    return APIError(500, f"The request failed inside the engine: {err}", type="internal_server_error",
+                    code="request_failed")
+
+
 def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
     if isinstance(e, EngineDraining):
         return APIError(503, str(e), type="service_unavailable", code="shutting_down")
     if isinstance(e, EngineDeadError):
@@ -158,12 +171,17 @@ class _Exchange:
         for r in results:
             if isinstance(r, BaseException):
                 raise _engine_error(r)
+            failed = _request_failed(r)
+            if failed is not None:
+                raise failed
         return results
 
     async def merged(self):
         """(prompt index, cumulative output) as they arrive, over all streams."""
         if len(self.streams) == 1:
             async for out in self.streams[0]:
+                if (failed := _request_failed(out)) is not None:
+                    raise failed
                 yield 0, out
             return
         q: asyncio.Queue = asyncio.Queue()
@@ -185,6 +203,8 @@ class _Exchange:
                     raise err
                 if out is None:
                     left -= 1
+                elif (failed := _request_failed(out)) is not None:
+                    raise failed
                 else:
                     yield i, out
         finally:
