@@ -109,6 +109,9 @@ class FakeEngine:
             self.step()
         raise AssertionError("did not finish")
 
+    def seqs_of(self, request_id):
+        return sorted((s for s in self.seqs.values() if s.request_id == request_id), key=lambda s: s.index)
+
     def results(self):
         return {(s.request_id, s.index): s.output_token_ids for s in self.seqs.values()}
 
@@ -447,3 +450,77 @@ def test_a_sampled_sequence_without_a_new_token_is_an_engine_bug():
     eng.sched.postprocess(out)  # ... but no append_token, no finish
     with pytest.raises(RuntimeError, match="must append the token or finish"):
         eng.sched.schedule()
+
+
+# ---- fairness: one request with many samples cannot make everyone else's steps long -----------------
+
+def _per_request(out):
+    counts = {}
+    for e in out.scheduled:
+        counts[e.seq.request_id] = counts.get(e.seq.request_id, 0) + 1
+    return counts
+
+
+def test_a_wide_request_runs_at_most_the_fair_share_while_others_have_work():
+    eng = FakeEngine(num_blocks=400, max_num_seqs=64, max_num_batched_tokens=256)
+    eng.sched.fair_share_seqs = 4
+    eng.add("big", [1, 2, 3, 4, 5], max_tokens=30, n=32)
+    eng.step()  # prefill + fork: 32 samples running
+    big = [s for s in eng.seqs.values() if s.request_id == "big"]
+    assert len(big) == 32
+    assert _per_request(eng.step())["big"] == 32, "alone, a request runs at full width"
+    eng.add("short", [9, 8, 7], max_tokens=4)
+    steps_before = len(eng.steps)
+    while not eng.seqs_of("short")[0].status.is_finished:
+        out = eng.step()
+        counts = _per_request(out)
+        assert counts.get("big", 0) <= 4, counts  # cap = max(fair share 4, the short request's 1)
+        assert counts.get("short", 0) == 1, "the short request computes every step"
+        outs = [s.num_output_tokens for s in big if not s.status.is_finished]
+        assert max(outs) - min(outs) <= 2, "the wide request's samples take turns"
+    assert len(eng.steps) - steps_before == 4, "prefill + first token, then one token a step"
+    res = eng.run()
+    for i in range(32):
+        s = eng.seqs_of("big")[i]
+        assert res[("big", i)] == reference(s.prompt_token_ids, 30, s.seed), "the tokens do not depend on the cap"
+    assert res[("short", 0)] == reference([9, 8, 7], 4)
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
+def test_two_wide_requests_both_run_at_full_width():
+    eng = FakeEngine(num_blocks=400, max_num_seqs=64, max_num_batched_tokens=256)
+    eng.sched.fair_share_seqs = 4
+    eng.add("a", [1, 2, 3], max_tokens=10, n=16)
+    eng.add("b", [4, 5, 6], max_tokens=10, n=16)
+    eng.step()
+    out = eng.step()
+    assert _per_request(out) == {"a": 16, "b": 16}  # each capped by the other's 16, not by 4
+
+
+def test_without_a_fair_share_nothing_is_capped():
+    eng = FakeEngine(num_blocks=400, max_num_seqs=64, max_num_batched_tokens=256)
+    assert eng.sched.fair_share_seqs is None
+    eng.add("big", [1, 2, 3, 4, 5], max_tokens=30, n=32)
+    eng.step()
+    eng.add("short", [9, 8, 7], max_tokens=4)
+    out = eng.step()
+    assert _per_request(out) == {"big": 32, "short": 1}
+
+
+def test_preemption_takes_from_the_request_over_its_share_first():
+    eng = FakeEngine(num_blocks=20, block_size=4, max_num_seqs=32, max_num_batched_tokens=64)
+    eng.sched.fair_share_seqs = 2
+    eng.add("big", [1, 2, 3, 4], max_tokens=20, n=8)
+    eng.step()
+    eng.add("short", [7, 7, 7, 7, 7, 7, 7], max_tokens=40)  # newest: preempted first without fairness
+    eng.step()
+    short = eng.seqs_of("short")[0]
+    while not short.status.is_finished:
+        eng.step()
+        assert short.num_preemptions == 0, "the short request kept its blocks"
+    assert eng.sched.num_preemptions > 0, "the cache was short while both ran"
+    eng.run()
+    res = eng.results()
+    assert res[("short", 0)] == reference([7] * 7, 40)
+    for s in eng.seqs_of("big"):
+        assert res[("big", s.index)] == reference(s.prompt_token_ids, 20, s.seed)

@@ -21,7 +21,7 @@ a step, where ``cap = max(fair_share_seqs, the most sequences any other request 
 n = 128 samples cannot make every step 128 rows long (on a CPU, 1.5 s) while a one-sample request waits
 behind it, and two large requests still run at full width. The sequences of a capped request take
 turns: those with the fewest output tokens go first. The preemption victim is taken from a request over
-its cap first.
+its cap (counting its waiting ones) first.
 
 3. waiting sequences, first come first served (a preempted one goes back to the FRONT), each chunked to
    the remaining budget, while ``max_num_seqs`` and free blocks allow; the head of the queue that does
@@ -143,11 +143,12 @@ class Scheduler:
         copies: dict[int, list[tuple[int, int]]] = {}
         preempted: list[Sequence] = []
 
-        caps = self._fair_caps()
+        caps, demand = self._fair_caps()
 
         def preempt_newest() -> Sequence:
             nonlocal budget
-            victim = max(self.running, key=lambda s: (caps is not None and caps[s.request_id] < counts[s.request_id],
+            # a request holding more sequences than its share gives them up before anyone else
+            victim = max(self.running, key=lambda s: (caps is not None and caps[s.request_id] < demand[s.request_id],
                                                       s.arrival_time, s.seq_id))
             entry = entries.pop(victim.seq_id, None)
             if entry is not None:  # scheduled earlier in this step: undo
@@ -168,10 +169,7 @@ class Scheduler:
             else:
                 raise RuntimeError(f"sequence {seq.seq_id} has nothing to compute: after a step that sampled "
                                    f"for it, the engine must append the token or finish the sequence")
-        counts: dict[str, int] = {}
-        for seq in self.running:
-            counts[seq.request_id] = counts.get(seq.request_id, 0) + 1
-        if caps is not None and any(counts[r] > caps[r] for r in counts):
+        if caps is not None and any(demand[r] > caps[r] for r in demand):
             decodes, prefills = self._take_turns(decodes, prefills, caps)
         for seq in decodes + prefills:
             if budget == 0:
@@ -230,22 +228,22 @@ class Scheduler:
         self.num_steps += 1
         return out
 
-    def _fair_caps(self) -> dict[str, int] | None:
-        """request_id -> the most sequences it may run this step, or None when nothing is capped (no
-        fair share set, or fewer than two requests with work)."""
+    def _fair_caps(self) -> tuple[dict[str, int] | None, dict[str, int]]:
+        """(request_id -> the most sequences it may run this step, or None when nothing is capped: no
+        fair share set, or fewer than two requests with work; request_id -> its sequences with work)."""
         if self.fair_share_seqs is None:
-            return None
+            return None, {}
         demand: dict[str, int] = {}
         for seq in self.running:
             demand[seq.request_id] = demand.get(seq.request_id, 0) + 1
         for seq in self.waiting:
             demand[seq.request_id] = demand.get(seq.request_id, 0) + seq.n
         if len(demand) < 2:
-            return None
-        (first_id, first), second = max(demand.items(), key=lambda kv: kv[1]), 0
-        second = max((d for r, d in demand.items() if r != first_id), default=0)
+            return None, demand
+        first_id, first = max(demand.items(), key=lambda kv: kv[1])
+        second = max(d for r, d in demand.items() if r != first_id)
         # the largest request is capped by the second largest; every other one by the largest
-        return {r: max(self.fair_share_seqs, second if r == first_id else first) for r in demand}
+        return {r: max(self.fair_share_seqs, second if r == first_id else first) for r in demand}, demand
 
     @staticmethod
     def _take_turns(decodes: list[Sequence], prefills: list[Sequence], caps: dict[str, int]
