@@ -1,7 +1,7 @@
 """Linear layers with per-parameter weight loaders (vLLM style).
 
 Every parameter carries ``param.weight_loader(param, loaded_weight, shard_id=None)``; the generic
-walker in ``turnout.loader.weight_map`` calls it with each checkpoint tensor. Packed layers
+walker in ``turnout.models.weight_map`` calls it with each checkpoint tensor. Packed layers
 (``QKVParallelLinear``, ``MergedColumnParallelLinear``) also carry ``param.shard_ids``, the shards the
 walker must see before the parameter counts as loaded.
 

@@ -35,6 +35,7 @@ from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from turnout.layers.norm import PendingNorm, RMSNorm
 from turnout.layers.rotary import RotaryEmbedding, get_rope
+from turnout.models.weight_map import load_weights
 
 
 def head_dim_of(config) -> int:
@@ -214,6 +215,4 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        from turnout.loader.weight_map import load_weights
-
         return load_weights(self, weights)
