@@ -1,5 +1,5 @@
 """GGUF tensor reading and dequantisation for every type turnout promises (F32, F16, BF16, Q8_0, Q4_0,
-Q4_1, Q4_K, Q5_K, Q6_K), through both readers (transformers' header reader and gguf.GGUFReader)."""
+Q4_1, Q4_K, Q5_K, Q6_K), read through gguf.GGUFReader."""
 
 from __future__ import annotations
 
@@ -66,10 +66,9 @@ def gguf_file(tmp_path_factory):
     return path, expect
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["header-reader", "GGUFReader"])
-def test_every_type_dequantises(gguf_file, fast):
+def test_every_type_dequantises(gguf_file):
     path, expect = gguf_file
-    arch, tensors = read_tensors(path, fast=fast)
+    arch, tensors = read_tensors(path)
     assert arch == "llama"
     seen = {}
     for name, ggml_type, data in tensors:

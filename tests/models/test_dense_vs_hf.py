@@ -12,7 +12,6 @@ import transformers
 
 from turnout.layers.attention import AttentionMetadata
 from turnout.loader import default_model_path, load_model
-from turnout.loader.gguf import parse_once
 from turnout.ops import resolve
 from turnout.platforms.detect import detect_platform
 
@@ -145,9 +144,8 @@ def test_tied_head_shares_the_embedding(tmp_path, cpu_ops):
 @pytest.fixture(scope="module")
 def smollm2_hf():
     path = default_model_path()
-    with parse_once():  # the same computation, minus transformers' repeated metadata parsing
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
 
 
 def test_smollm2_gguf_matches_hf(smollm2_hf, cpu_ops):

@@ -78,16 +78,14 @@ def _load_config(src: ModelSource):
 
         config = AutoConfig.from_pretrained(str(src.path))
     if not getattr(config, "architectures", None):
-        # GGUF configs (and some hand-written ones) name only the model type; HF's own table says which
-        # causal-LM class that is.
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
-        config.architectures = [arch] if arch else None
+        # GGUF configs (and some hand-written ones) name only the model type; HF's causal-LM classes are
+        # named after their config classes (LlamaConfig -> LlamaForCausalLM, Qwen3MoeConfig -> Qwen3MoeForCausalLM).
+        name = type(config).__name__
+        config.architectures = [name[: -len("Config")] + "ForCausalLM"] if name.endswith("Config") else None
     return config
 
 
-def _load_tokenizer(src: ModelSource, tokenizer):
+def _load_tokenizer(src: ModelSource, tokenizer, reader=None):
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
         return tokenizer  # already a tokenizer object
     if tokenizer is not None:
@@ -97,6 +95,9 @@ def _load_tokenizer(src: ModelSource, tokenizer):
     if src.kind == "gguf":
         from turnout.loader import gguf
 
+        if reader is not None and not gguf.has_tokenizer(reader):
+            logger.warning("%s has no tokenizer metadata; loading without a tokenizer", src.path)
+            return None
         return gguf.load_tokenizer(src.path)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((src.path / n).is_file() for n in names):
@@ -107,14 +108,60 @@ def _load_tokenizer(src: ModelSource, tokenizer):
     return AutoTokenizer.from_pretrained(str(src.path))
 
 
-def _weights(src: ModelSource, hf_config):
+def _check_files(src: ModelSource):
+    """Refuse empty or cut-off checkpoint files before anything is parsed. Returns (GGUF reader or None,
+    safetensors files or None, how many tensors the weights iterator will yield)."""
+    from turnout.loader import checks
+
+    if src.kind == "gguf":
+        from turnout.loader.gguf import open_reader, tensor_count
+
+        checks.check_gguf(src.path)
+        reader = open_reader(src.path)
+        return reader, None, tensor_count(reader)
+    from turnout.loader.safetensors import safetensors_files
+
+    files = safetensors_files(src.path)
+    return None, files, sum(checks.check_safetensors(f) for f in files)
+
+
+def _weights(src: ModelSource, hf_config, reader, files):
     if src.kind == "gguf":
         from turnout.loader.gguf import iter_gguf_weights
 
-        return "gguf", iter_gguf_weights(src.path, hf_config)
-    from turnout.loader.safetensors import iter_safetensors, safetensors_files
+        return "gguf", iter_gguf_weights(src.path, hf_config, reader)
+    from turnout.loader.safetensors import iter_safetensors
 
-    return "safetensors", iter_safetensors(safetensors_files(src.path))
+    return "safetensors", iter_safetensors(files)
+
+
+class _Progress:
+    """One bar over a whole load: the checkpoint header, the config, every weight tensor, the tokenizer.
+
+    Only on a terminal: tqdm disables itself when stderr is not a TTY, so logs and tests stay quiet.
+    """
+
+    def __init__(self, desc: str):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(desc=desc, unit=" steps", disable=None, leave=False, mininterval=0.5)
+
+    def doing(self, what: str, total: int | None = None) -> None:
+        if total is not None:
+            self.bar.total = total
+        self.bar.set_postfix_str(what)
+
+    def done(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def over(self, items, what: str):
+        self.doing(what)
+        for item in items:
+            yield item
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str | torch.dtype = "auto",
@@ -133,6 +180,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
 
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, gguf, dummy)")
+    if isinstance(model, str) and not model.strip():
+        raise ValueError("model: an empty string names no model; pass None for the default model, or a model "
+                         "directory, a .gguf file or a Hugging Face Hub id")
     device = torch.device(device)
     if isinstance(model, PretrainedConfig):
         if load_format != "dummy":
@@ -144,14 +194,19 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
             raise ValueError(f"load_format='gguf' but {src.path} is not a .gguf file")
         if load_format == "safetensors" and src.kind != "hf_dir":
             raise ValueError(f"load_format='safetensors' but {src.path} is not a model directory")
-    if src is not None and src.kind == "gguf":
-        from turnout.loader.gguf import parse_once
-
-        scope = parse_once()
-    else:
-        scope = contextlib.nullcontext()
-    with scope:
+    progress = _Progress(f"Loading {src.origin if src is not None else 'model'}")
+    try:
+        reader = files = None
+        total = 0
+        if src is not None:
+            logger.info("loading %s from %s", src.origin, src.path)
+            if load_format != "dummy":
+                progress.doing("checking the checkpoint")
+                reader, files, total = _check_files(src)
+        progress.doing("config", total=total + 3)
+        progress.done()
         hf_config = model if src is None else _load_config(src)
+        progress.done()
         cls = get_model_class(getattr(hf_config, "architectures", None))
         torch_dtype = resolve_dtype(dtype, hf_config, device)
         with _default_dtype(torch_dtype), device:
@@ -163,9 +218,13 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
             fmt = "dummy"
             init_dummy_weights(net, seed)
         else:
-            fmt, weights = _weights(src, hf_config)
-            net.load_weights(weights)
-        tok = _load_tokenizer(src, tokenizer) if src is not None or tokenizer is not None else None
+            fmt, weights = _weights(src, hf_config, reader, files)
+            net.load_weights(progress.over(weights, f"{fmt} weights"))
+        progress.doing("tokenizer")
+        tok = _load_tokenizer(src, tokenizer, reader) if src is not None or tokenizer is not None else None
+        progress.done()
+    finally:
+        progress.close()
 
     max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
     n_params = sum(p.numel() for p in net.parameters())

@@ -1,18 +1,20 @@
-"""GGUF files through the ``gguf`` package and transformers' own GGUF support.
+"""GGUF files through public APIs only: the ``gguf`` package's reader, transformers' config and tokenizer loaders.
 
-transformers supplies the config (``AutoConfig.from_pretrained(dir, gguf_file=...)``), the tokenizer
-with its chat template, the GGUF -> HF tensor-name map and the per-architecture tensor fix-ups (the
-Llama Q/K un-permutation, MoE expert stacking). ``gguf.quants.dequantize`` turns every supported type
-(F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ*) into float32. Unlike
-``load_gguf_checkpoint(return_tensors=True)``, which builds the whole state dict first, tensors are
-streamed one at a time into the model.
+- config: ``AutoConfig.from_pretrained(dir, gguf_file=name)``; tokenizer (vocabulary, merges, special
+  tokens, chat template): ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``. Both are transformers'
+  documented GGUF entry points.
+- tensors: ``gguf.GGUFReader`` (a memory map; tensor data is read when used), dequantised one at a time by
+  ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ*) and renamed
+  to HF checkpoint names here, from the GGUF tensor table in ``gguf.constants``.
+
+Nothing private of transformers is imported (its GGUF internals differ between releases: 5.17's reader
+knows no Q4_1 tensors) and nothing is patched while a load runs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -21,42 +23,38 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# GGUF tensors HF has no parameter for, that carry nothing HF's config does not already say.
+# GGUF ``general.architecture`` values whose tensors this module maps (Mistral files say "llama").
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+# llama.cpp's converter permutes Q and K rows of these architectures for its interleaved rotary layout.
+PERMUTED_QK = ("llama",)
+# GGUF tensors with no HF parameter, carrying nothing HF's config does not already say.
 HARMLESS_UNMAPPED = ("rope_freqs.weight",)
 
 
-@contextlib.contextmanager
-def parse_once():
-    """Within this block, transformers parses a GGUF file's metadata once, not once per use.
+def _hf_names() -> dict[str, str]:
+    """GGUF tensor base name (``blk.{bid}.attn_q``) -> HF checkpoint module name (``{bid}``, ``{e}`` kept)."""
+    from gguf import TENSOR_NAMES, MODEL_TENSOR as T
 
-    Left alone, it parses every metadata field (a 49k-token vocabulary: seconds) for the config and
-    again for the tokenizer, and rebuilds gguf's tensor-name table for every submodule of the model
-    (~400 times for 30 layers). Both are pure functions of their arguments, so they are memoised
-    here (results deep-copied, as callers may mutate them) and restored on exit. Speed only.
-    """
-    import gguf as gguf_pkg
-    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    layer = "model.layers.{bid}."
+    table = {
+        T.TOKEN_EMBD: "model.embed_tokens", T.OUTPUT_NORM: "model.norm", T.OUTPUT: "lm_head",
+        T.ATTN_NORM: layer + "input_layernorm", T.FFN_NORM: layer + "post_attention_layernorm",
+        T.ATTN_Q: layer + "self_attn.q_proj", T.ATTN_K: layer + "self_attn.k_proj",
+        T.ATTN_V: layer + "self_attn.v_proj", T.ATTN_OUT: layer + "self_attn.o_proj",
+        T.ATTN_Q_NORM: layer + "self_attn.q_norm", T.ATTN_K_NORM: layer + "self_attn.k_norm",
+        T.FFN_GATE: layer + "mlp.gate_proj", T.FFN_UP: layer + "mlp.up_proj", T.FFN_DOWN: layer + "mlp.down_proj",
+        T.FFN_GATE_INP: layer + "mlp.gate",
+        # stacked [E, rows, cols] in GGUF; split into HF's per-expert tensors
+        T.FFN_GATE_EXP: layer + "mlp.experts.{e}.gate_proj", T.FFN_UP_EXP: layer + "mlp.experts.{e}.up_proj",
+        T.FFN_DOWN_EXP: layer + "mlp.experts.{e}.down_proj",
+        T.FFN_GATE_SHEXP: layer + "mlp.shared_expert.gate_proj", T.FFN_UP_SHEXP: layer + "mlp.shared_expert.up_proj",
+        T.FFN_DOWN_SHEXP: layer + "mlp.shared_expert.down_proj",
+        T.FFN_GATE_INP_SHEXP: layer + "mlp.shared_expert_gate",
+    }
+    return {TENSOR_NAMES[kind]: hf for kind, hf in table.items()}
 
-    orig_checkpoint, orig_name_map = hf_gguf.load_gguf_checkpoint, gguf_pkg.get_tensor_name_map
-    checkpoints, name_maps = {}, {}
 
-    def checkpoint(path, return_tensors=False, *args, **kwargs):
-        if return_tensors or args or kwargs:
-            return orig_checkpoint(path, return_tensors, *args, **kwargs)
-        if str(path) not in checkpoints:
-            checkpoints[str(path)] = orig_checkpoint(path, return_tensors=False)
-        return copy.deepcopy(checkpoints[str(path)])
-
-    def name_map(arch, n_blocks):
-        if (arch, n_blocks) not in name_maps:
-            name_maps[arch, n_blocks] = orig_name_map(arch, n_blocks)
-        return name_maps[arch, n_blocks]
-
-    hf_gguf.load_gguf_checkpoint, gguf_pkg.get_tensor_name_map = checkpoint, name_map
-    try:
-        yield
-    finally:
-        hf_gguf.load_gguf_checkpoint, gguf_pkg.get_tensor_name_map = orig_checkpoint, orig_name_map
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def split_path(path: str | Path) -> tuple[str, str]:
@@ -66,11 +64,30 @@ def split_path(path: str | Path) -> tuple[str, str]:
     return str(p.parent), p.name
 
 
+def open_reader(path: str | Path):
+    """``gguf.GGUFReader`` over a file that ``checks.check_gguf`` has passed; its errors name the file."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
 def load_config(path: str | Path):
     from transformers import AutoConfig
 
     d, name = split_path(path)
     return AutoConfig.from_pretrained(d, gguf_file=name)
+
+
+def has_tokenizer(reader) -> bool:
+    return "tokenizer.ggml.tokens" in reader.fields
 
 
 def load_tokenizer(path: str | Path):
@@ -81,38 +98,15 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(d, gguf_file=name)
 
 
-def read_tensors(path: str | Path, fast: bool = True) -> tuple[str, Iterator[tuple[str, int, np.ndarray]]]:
-    """(GGUF architecture, lazy iterator of (tensor name, ggml type, raw bytes or values)).
+def read_tensors(path: str | Path, reader=None) -> tuple[str, Iterator[tuple[str, int, np.ndarray]]]:
+    """(GGUF architecture, lazy iterator of (tensor name, ggml type, raw data)).
 
-    ``fast``: transformers' header reader (``integrations.gguf.GgufHeader``, which skips over the
-    tokenizer arrays; several times faster) when this transformers has it; else, or with
-    ``fast=False``, ``gguf.GGUFReader`` (which parses every metadata field: seconds on a 49k vocabulary).
+    Quantised data comes as bytes shaped [..., row bytes], float types as values shaped as the tensor
+    (numpy order: GGUF lists dimensions innermost first, so a [rows, cols] matrix says (cols, rows)).
     """
-    if fast:
-        try:
-            from transformers.integrations.gguf import GgufHeader
-        except (ImportError, AttributeError):  # transformers < 5.x: no header reader
-            GgufHeader = None
-        if GgufHeader is not None:
-            header = GgufHeader.from_file(str(path))
-            blob = np.memmap(str(path), mode="r", dtype=np.uint8)
-
-            def raw():
-                from gguf.quants import quant_shape_to_byte_shape
-
-                for info in header.tensors:
-                    start = header.data_start + info.offset
-                    data = blob[start: start + info.nbytes]
-                    yield info.name, info.ggml_type, data.reshape(quant_shape_to_byte_shape(info.shape,
-                                                                                            info.ggml_type))
-
-            return header.architecture, raw()
-    from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import read_field
-
-    reader = GGUFReader(str(path))
-    return read_field(reader, "general.architecture")[0], ((t.name, int(t.tensor_type), t.data)
-                                                           for t in reader.tensors)
+    reader = reader if reader is not None else open_reader(path)
+    arch = field(reader, "general.architecture")
+    return arch, ((t.name, int(t.tensor_type), t.data) for t in reader.tensors)
 
 
 def dequantize(data: np.ndarray, ggml_type: int) -> torch.Tensor:
@@ -121,39 +115,55 @@ def dequantize(data: np.ndarray, ggml_type: int) -> torch.Tensor:
     from gguf.quants import dequantize as gguf_dequantize
 
     arr = np.ascontiguousarray(gguf_dequantize(data, GGMLQuantizationType(ggml_type)), dtype=np.float32)
-    if not arr.flags.writeable:  # plain F32 tensors come back as views of the read-only mmap
+    if not arr.flags.writeable:  # plain F32 tensors come back as views of the read-only memory map
         arr = arr.copy()
     return torch.from_numpy(arr)
 
 
-def _hf_name_map(hf_config, processor) -> dict[str, str]:
-    """GGUF tensor name -> HF parameter name, from transformers' map over an HF model on ``meta``."""
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
-
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(hf_config)
-    return get_gguf_hf_weights_map(hf_model, processor)
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: HF's rows (head, half, i) were written as (head, i, half)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str | Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of a GGUF file, dequantised one at a time."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    arch, tensors = read_tensors(path)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict())
-    name_map = _hf_name_map(hf_config, processor)
-    parsed = {"tensors": {}}  # where processors that merge tensors (MoE experts) accumulate them
-    for name, ggml_type, data in tensors:
-        result = processor.process(weights=dequantize(data, ggml_type).numpy(), name=name,
-                                   tensor_key_mapping=name_map, parsed_parameters=parsed)
-        if result.name is None:  # consumed into ``parsed``
-            continue
-        if result.name not in name_map:
-            if result.name in HARMLESS_UNMAPPED:
-                logger.info("GGUF tensor %s has no HF counterpart; skipped (as transformers does)", name)
+def iter_gguf_weights(path: str | Path, hf_config, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, float32 tensor) for every tensor of a GGUF file, dequantised one at a time."""
+    reader = reader if reader is not None else open_reader(path)
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported by turnout's GGUF loader "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); a safetensors checkpoint of the "
+                         f"same model may load")
+    names = _hf_names()
+    n_head = int(hf_config.num_attention_heads)
+    n_kv_head = int(getattr(hf_config, "num_key_value_heads", None) or n_head)
+    for t in reader.tensors:
+        name, ggml_type = t.name, int(t.tensor_type)
+        stem, dot, suffix = name.rpartition(".")
+        m = _BLOCK.match(stem)
+        template = names.get(f"blk.{{bid}}.{m.group(2)}" if m else stem) if suffix in ("weight", "bias") else None
+        if template is None:
+            if name in HARMLESS_UNMAPPED:
+                logger.debug("GGUF tensor %s has no HF counterpart; skipped", name)
                 continue
-            raise ValueError(f"unexpected GGUF tensor {name!r} (ggml type {ggml_type}, shape "
-                             f"{tuple(data.shape)}): no HF parameter maps to it for architecture {arch!r}")
-        yield name_map[result.name], torch.from_numpy(np.ascontiguousarray(result.weights))
-    yield from parsed["tensors"].items()
+            raise ValueError(f"{path}: unexpected GGUF tensor {name!r} (ggml type {ggml_type}, shape "
+                             f"{tuple(t.data.shape)}): no HF parameter maps to it for architecture {arch!r}")
+        hf = template.format(bid=m.group(1) if m else "", e="{e}") + dot + suffix
+        w = dequantize(t.data, ggml_type)
+        if arch in PERMUTED_QK and m and m.group(2) in ("attn_q", "attn_k"):
+            w = _unpermute(w, n_head if m.group(2) == "attn_q" else n_kv_head)
+        if "{e}" in hf:  # [E, rows, cols] -> one [rows, cols] per expert, as HF checkpoints store them
+            for e in range(w.shape[0]):
+                yield hf.format(e=e), w[e]
+            continue
+        if m and m.group(2) == "ffn_gate_inp_shexp" and w.dim() == 1:
+            w = w[None]  # HF's shared-expert gate is a Linear(H, 1): [1, H]
+        yield hf, w
+
+
+def tensor_count(reader) -> int:
+    """How many (HF name, tensor) pairs ``iter_gguf_weights`` yields (stacked experts count once each)."""
+    n = 0
+    for t in reader.tensors:
+        n += int(t.data.shape[0]) if "_exps." in t.name else int(t.name not in HARMLESS_UNMAPPED)
+    return n
