@@ -189,6 +189,11 @@ class OpTable:
     def chosen(self, op: str) -> str | None:
         return self.resolutions[op].chosen
 
+    def chosen_impl(self, op: str) -> Impl | None:
+        """The declaration (``Impl``) of the implementation chosen for ``op``; None if the table has no such op."""
+        res = self.resolutions.get(op)
+        return None if res is None or res.chosen is None else self._registry.get_impl(op, res.chosen)
+
     def report(self) -> list[dict]:
         return [r.to_dict() for r in self.resolutions.values()]
 

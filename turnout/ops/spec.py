@@ -110,6 +110,10 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_]+\.[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _CHOICE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def _always(*shape) -> bool:
+    return True
+
+
 def _describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
@@ -131,6 +135,13 @@ class Impl:
     for one that is not yet measured to beat them: ``vendor.cuda`` moe_experts ranks below ``triton``.
     A per-op order in the policy places it anywhere. ``choices`` declares the decisions it makes inside
     itself (``Choice``): shown by ``turnout ops``, fixed by ``<op>.<choice>=<value>`` in the policy.
+
+    ``pays`` is the implementation's own claim that a model should route its decode path through it, for
+    the ops that replace a chain of unfused ops (``small_m_linear``, ``add_rms_norm_linear``,
+    ``rotary_paged_attention``; the fusion plan, turnout/layers/fusion.py, reads it). None (the default):
+    no claim, the model keeps the unfused chain. True: always. A predicate (a callable or ``"module:attr"``,
+    resolved like ``target`` when the plan is built) over the shape the fusion is for, e.g. ``(N, K)`` of a
+    projection for ``add_rms_norm_linear``.
     """
 
     op: str
@@ -143,6 +154,7 @@ class Impl:
     factory: bool = False
     below: tuple[str, ...] = ()
     choices: tuple[Choice, ...] = ()
+    pays: bool | str | Callable[..., bool] | None = None
 
     def __post_init__(self):
         if not isinstance(self.id, str) or not _ID_RE.match(self.id):
@@ -168,6 +180,9 @@ class Impl:
             if not sep or not module or not attr:
                 raise ValueError(f"implementation {self.id!r} of op {self.op!r}: target {self.target!r} "
                                  "must be a callable or 'module:attr'")
+        if isinstance(self.pays, str) and not all(self.pays.partition(":")[::2]):
+            raise ValueError(f"implementation {self.id!r} of op {self.op!r}: pays {self.pays!r} must be a bool, "
+                             "a callable or 'module:attr'")
 
     @property
     def family(self) -> str:
@@ -187,6 +202,26 @@ class Impl:
         """The platforms it serves, in words (for "does not serve" reasons)."""
         names = ["platforms that take Triton kernels" if p == TRITON_PLATFORMS else p for p in self.platforms]
         return ",".join(names)
+
+    def pays_predicate(self) -> Callable[..., bool] | None:
+        """The ``pays`` claim as a predicate (None: no claim); raises ImplUnavailable if it does not import."""
+        if self.pays is None or self.pays is False:
+            return None
+        if self.pays is True:
+            return _always
+        if callable(self.pays):
+            return self.pays
+        module, _, attr = self.pays.partition(":")
+        try:
+            obj = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except Exception as e:
+            raise ImplUnavailable(f"pays predicate {self.pays!r} of {self.id} did not resolve: "
+                                  f"{_describe_error(e)}") from e
+        if not callable(obj):
+            raise ImplUnavailable(f"pays predicate {self.pays!r} of {self.id} is a {type(obj).__name__}")
+        return obj
 
     def resolve(self) -> Callable:
         """Import and return the real callable; raises ImplUnavailable with the reason."""

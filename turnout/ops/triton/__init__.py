@@ -25,8 +25,18 @@ KERNELS: dict[str, str] = {
     "select_experts": "routing:select_experts",
     "small_m_linear": "linear:small_m_linear",
     "add_rms_norm_linear": "linear:add_rms_norm_linear",
+    "apply_token_bitmask": "bitmask:apply_token_bitmask",
 }
 
+
+# op -> its claim that a model's decode path should use it (Impl.pays, read by the fusion plan): the one-row
+# projection and rope-in-attention always (measured on the H200, docs/benchmarks.md); the pre-norm fused into
+# a projection only for the shapes where linear.norm_fusion_pays says the measurements favour it.
+PAYS: dict[str, bool | str] = {
+    "small_m_linear": True,
+    "add_rms_norm_linear": "turnout.ops.triton.linear:norm_fusion_pays",
+    "rotary_paged_attention": True,
+}
 
 
 def _attn_note() -> str:
@@ -68,4 +78,5 @@ def register(registry) -> None:
         if op not in registry.ops:  # an op whose declaration is not loaded
             continue
         registry.add_impl(Impl(op=op, id="triton.default", target=f"turnout.ops.triton.{target}",
-                               platforms=(TRITON_PLATFORMS,), priority=0, check=_check, choices=CHOICES.get(op, ())))
+                               platforms=(TRITON_PLATFORMS,), priority=0, check=_check, choices=CHOICES.get(op, ()),
+                               pays=PAYS.get(op)))
