@@ -120,9 +120,10 @@ class InputProcessor:
         if limit is not None:
             cost = request_cost(len(ids), params, self.max_model_len)
             if cost > limit:
-                lp = f" + logprob entries n x max_tokens x (1 + {params.logprobs})" if params.logprobs is not None else ""
+                gen = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+                lp = f" + logprob entries n x {gen} x (1 + {params.logprobs})" if params.logprobs is not None else ""
                 raise ValueError(f"max_tokens_per_request: this request may cost {cost} tokens (n={params.n} x "
-                                 f"({len(ids)} prompt + {params.max_tokens} max_tokens){lp}), over the "
-                                 f"server's limit of {limit}; lower n, max_tokens or logprobs")
+                                 f"({len(ids)} prompt + {gen} max_tokens){lp}), over the limit of {limit} "
+                                 f"tokens a request; lower n, max_tokens or logprobs")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return EngineRequest(request_id, text, ids, params, arrival_time, seed % 2**63)

@@ -16,10 +16,20 @@ head, which more requests share.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from turnout.engine.sequence import Sequence
+
+class KVSequence(Protocol):
+    """What the block manager needs of a sequence (engine/sequence.py's Sequence is one); kv/ imports
+    nothing from engine/. It reads the tokens and how many are computed, and owns ``block_table``."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class Block:
@@ -112,7 +122,7 @@ class BlockManager:
                 self._free_plain.append(block_id)
 
     # ---- first schedule -------------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, seq: KVSequence) -> list[int]:
         """Ids of cached blocks holding ``seq``'s leading full blocks. The block that holds the last token
         never counts, so at least one token is computed (its logits are needed). No state changes."""
         if not self.enable_prefix_caching:
@@ -133,7 +143,7 @@ class BlockManager:
             parent = h
         return hits
 
-    def _blocks_to_allocate(self, seq: Sequence, num_new_tokens: int | None, cached: list[int]) -> tuple[int, int]:
+    def _blocks_to_allocate(self, seq: KVSequence, num_new_tokens: int | None, cached: list[int]) -> tuple[int, int]:
         num_cached_tokens = len(cached) * self.block_size
         if num_new_tokens is None:
             num_new_tokens = seq.num_tokens - num_cached_tokens
@@ -141,14 +151,14 @@ class BlockManager:
         revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # these leave the free pool too
         return new, revived
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None, cached: list[int] | None = None) -> bool:
+    def can_allocate(self, seq: KVSequence, num_new_tokens: int | None = None, cached: list[int] | None = None) -> bool:
         """Whether ``allocate(seq, num_new_tokens, cached)`` would succeed."""
         if cached is None:
             cached = self.match_prefix(seq)
         new, revived = self._blocks_to_allocate(seq, num_new_tokens, cached)
         return new + revived <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int | None = None, cached: list[int] | None = None) -> int:
+    def allocate(self, seq: KVSequence, num_new_tokens: int | None = None, cached: list[int] | None = None) -> int:
         """First schedule of ``seq`` (empty block table): take references on the cached prefix blocks
         (``cached``: from ``match_prefix``; looked up when None), set ``seq.num_computed_tokens`` to
         the hit length, and allocate blocks for ``num_new_tokens`` more tokens (None: the rest of the
@@ -171,7 +181,7 @@ class BlockManager:
         return seq.num_computed_tokens
 
     # ---- growth ---------------------------------------------------------------------------------
-    def _shared_write_block(self, seq: Sequence) -> int:
+    def _shared_write_block(self, seq: KVSequence) -> int:
         """Index in the block table of the block the next token goes into, if it is shared (siblings
         after a fork) and so must be copied before writing; else -1."""
         i = seq.num_computed_tokens // self.block_size
@@ -179,15 +189,15 @@ class BlockManager:
             return i
         return -1
 
-    def blocks_to_append(self, seq: Sequence, num_new_tokens: int = 1) -> int:
+    def blocks_to_append(self, seq: KVSequence, num_new_tokens: int = 1) -> int:
         """Free blocks ``append_slots(seq, num_new_tokens)`` takes (new blocks + a copy-on-write)."""
         grow = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
         return max(0, grow) + (self._shared_write_block(seq) >= 0)
 
-    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+    def can_append(self, seq: KVSequence, num_new_tokens: int = 1) -> bool:
         return self.blocks_to_append(seq, num_new_tokens) <= len(self._free_plain) + len(self._free_cached)
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+    def append_slots(self, seq: KVSequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
         """Make room for tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` of a
         sequence that already holds blocks. Returns the copy-on-write block copies ``(src, dst)`` to run
         before the forward (at most one: the shared, partly filled block the first new token goes into;
@@ -210,19 +220,19 @@ class BlockManager:
             table.append(self._take_free())
         return copies
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: KVSequence, child: KVSequence) -> None:
         """``child`` shares every block of ``parent`` (its block table is already a copy)."""
         assert child.block_table == parent.block_table
         for block_id in child.block_table:
             self._ref(block_id)
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: KVSequence) -> None:
         for block_id in reversed(seq.block_table):  # tail first: evicted before the shared head
             self._unref(block_id)
         seq.block_table = []
 
     # ---- prefix cache ---------------------------------------------------------------------------
-    def register_computed_blocks(self, seq: Sequence) -> None:
+    def register_computed_blocks(self, seq: KVSequence) -> None:
         """Register the full blocks of ``seq`` whose tokens are all computed and that are not yet
         registered. Registered blocks form a prefix of the block table, so this walks back from the
         last full computed block to the first registered one (usually zero or one step)."""
