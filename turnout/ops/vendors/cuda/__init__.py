@@ -26,8 +26,8 @@ def register(registry) -> None:
             registry.add_impl(Impl(op=op, id="vendor.cuda", target=f"turnout.ops.vendors.cuda.vllm_ops:{loader}",
                                    factory=True, platforms=PLATFORMS, priority=0))
     if "moe_experts" in registry.ops:
-        # torch's grouped GEMM (moe.py): conformance-tested, not measured faster than the Triton path the
-        # GPU numbers were taken with, so it ranks below Triton; TURNOUT_OPS="moe_experts=vendor.cuda|..."
-        # puts it first.
+        # torch's grouped GEMM (moe.py): conformance-tested, but it lost to the Triton paths at every batch
+        # size (docs/benchmarks.md, "MoE experts kernel alone"), so it ranks below Triton: the fallback where
+        # Triton is missing or denied. TURNOUT_OPS="moe_experts=vendor.cuda|..." puts it first.
         registry.add_impl(Impl(op="moe_experts", id="vendor.cuda", target="turnout.ops.vendors.cuda.moe:load",
                                factory=True, platforms=("cuda",), below=("triton",)))

@@ -8,8 +8,8 @@ CUDA kernel is registered and the device is sm90 or newer, so a torch that renam
 this implementation "unavailable", never a start-up crash (seed 002).
 
 Registered in ``turnout/ops/vendors/cuda/__init__.py`` with ``below=("triton",)``: the conformance
-suite checks it, but no measurement shows it beating the Triton path that the GPU numbers were taken
-with, so it runs only where Triton is unavailable or denied, or when the policy names it
+suite checks it, but it lost to the Triton paths at every batch size (docs/benchmarks.md, "MoE experts
+kernel alone"), so it runs only where Triton is unavailable or denied, or when the policy names it
 (``TURNOUT_OPS="moe_experts=vendor.cuda|triton"``).
 """
 
