@@ -15,6 +15,23 @@ def test_off_on_cpu_and_when_the_environment_says_so(monkeypatch):
     assert not _pdl.pdl_enabled(torch.device("cuda", 0))
 
 
+def test_the_platform_gives_the_engine_the_kernels_answer(monkeypatch):
+    """The engine asks its platform (it imports no kernel module); the platform and the kernels share one test."""
+    from turnout.platforms import Platform
+    from turnout.platforms.detect import detect_platform
+
+    assert not detect_platform("cpu").pdl_enabled()
+    fake_gpu = Platform(name="cuda", device_type="cuda", dist_backend="nccl", triton_backend=True)
+    monkeypatch.setenv("TURNOUT_PDL", "0")
+    envs.reload()
+    assert not fake_gpu.pdl_enabled(torch.device("cuda", 0)) and not _pdl.pdl_enabled(torch.device("cuda", 0))
+    if torch.cuda.is_available():
+        monkeypatch.setenv("TURNOUT_PDL", "1")
+        envs.reload()
+        device = torch.device("cuda", 0)
+        assert detect_platform("auto").pdl_enabled(device) == _pdl.pdl_enabled(device)
+
+
 def test_early_launch_names(monkeypatch):
     """TURNOUT_PDL_EARLY names the kernels that let their dependent launch before they wait (PDL=2); an unknown
     name is a ValueError naming the variable and the known names."""
