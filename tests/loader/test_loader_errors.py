@@ -125,3 +125,79 @@ def test_auto_dtype():
     assert resolve_dtype("bf16", cfg, torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int3", cfg, torch.device("cpu"))
+
+
+# ---- files cut off or empty, empty model names, integer weights ----
+
+def test_empty_model_name_is_refused(ops):
+    for name in ("", "   "):
+        with pytest.raises(ValueError, match=r"^model: an empty string"):
+            load_model(name, ops=ops, device="cpu")
+
+
+def test_truncated_and_empty_safetensors(tiny_dir, ops):
+    path = tiny_dir / "model.safetensors"
+    full = path.read_bytes()
+    path.write_bytes(full[:-100])
+    with pytest.raises(ValueError, match=rf"model\.safetensors: truncated: expected {len(full)} bytes, "
+                                         rf"file has {len(full) - 100}"):
+        load_model(str(tiny_dir), ops=ops, device="cpu")
+    path.write_bytes(full[:20])  # inside the JSON header
+    with pytest.raises(ValueError, match=r"model\.safetensors: truncated: expected at least \d+ bytes, file has 20"):
+        load_model(str(tiny_dir), ops=ops, device="cpu")
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model\.safetensors: empty file \(0 bytes\)"):
+        load_model(str(tiny_dir), ops=ops, device="cpu")
+
+
+def _tiny_gguf(path):
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
+    q = quantize(np.ones((4, 64), dtype=np.float32), GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_truncated_and_empty_gguf(tmp_path, ops):
+    path = tmp_path / "m.gguf"
+    _tiny_gguf(path)
+    full = path.read_bytes()
+    from turnout.loader.checks import check_gguf
+
+    check_gguf(path)  # whole: passes
+    from gguf import GGUFReader
+
+    end = max(t.data_offset + t.n_bytes for t in GGUFReader(str(path)).tensors)  # the file pads after it
+    path.write_bytes(full[:end - 10])  # inside the last tensor's data
+    with pytest.raises(ValueError, match=rf"m\.gguf: truncated: expected {end} bytes, file has {end - 10}"):
+        load_model(str(path), ops=ops, device="cpu")
+    path.write_bytes(full[:40])  # inside the metadata
+    with pytest.raises(ValueError, match=r"m\.gguf: truncated: expected at least \d+ bytes, file has 40"):
+        load_model(str(path), ops=ops, device="cpu")
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"m\.gguf: empty file \(0 bytes\)"):
+        load_model(str(path), ops=ops, device="cpu")
+    path.write_bytes(b"PK\x03\x04" + full[4:])
+    with pytest.raises(ValueError, match=r"m\.gguf: not a GGUF file"):
+        load_model(str(path), ops=ops, device="cpu")
+
+
+def test_the_default_gguf_passes_the_size_check():
+    from turnout.loader.checks import check_gguf
+
+    check_gguf(default_model_path())
+
+
+def test_integer_norm_weight_is_refused(tiny_dir, ops):
+    _edit_weights(tiny_dir, lambda t: t.update({"model.norm.weight": torch.ones(32, dtype=torch.int8)}))
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' \(32,\) has dtype int8, but parameter "
+                                         r"'model\.norm\.weight' is float32"):
+        load_model(str(tiny_dir), ops=ops, device="cpu")
