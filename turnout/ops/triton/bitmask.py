@@ -18,10 +18,15 @@ def _apply_token_bitmask_kernel(LOGITS, MASK, INDICES, stride_l, stride_m, V, HA
     inside = offs < V
     # BLOCK is a multiple of 32, so each word is loaded by the 32 lanes that share it (one cache line).
     words = tl.load(MASK + row * stride_m + offs // 32, mask=inside, other=-1)
-    allowed = (words >> (offs % 32)) & 1  # arithmetic shift: the & 1 keeps only the wanted bit
-    # Only disallowed elements are written: an allowed logit keeps its exact bits.
-    tl.store(LOGITS + row * stride_l + offs, tl.full([BLOCK], float("-inf"), LOGITS.dtype.element_ty),
-             mask=inside & (allowed == 0))
+    allowed = ((words >> (offs % 32)) & 1) != 0  # arithmetic shift: the & 1 keeps only the wanted bit
+    # A block whose tokens are all allowed (-1 words: inside a JSON string most are) moves no logits.
+    # Any other block is read and written whole, the allowed logits with their own bits: on the H200 that
+    # ran at 84 us for [256, 151936] against 155-172 us for stores of only the masked elements (partly
+    # written sectors), and the values are those of the reference exactly.
+    any_masked = tl.max((words != -1).to(tl.int32), axis=0)
+    touch = inside & ((tl.zeros([BLOCK], dtype=tl.int32) + any_masked) > 0)
+    x = tl.load(LOGITS + row * stride_l + offs, mask=touch)
+    tl.store(LOGITS + row * stride_l + offs, tl.where(allowed, x, float("-inf")), mask=touch)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None = None) -> None:
