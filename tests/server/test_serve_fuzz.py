@@ -11,7 +11,7 @@ and infinities (raw ``NaN`` / ``Infinity`` JSON tokens: ``json.dumps`` writes th
 odd strings, deep nesting, token-id prompts at and past the vocabulary boundary, raw bytes. Valid
 generations are kept cheap by the server's limits (``--max-model-len``, ``--max-tokens-per-request``).
 
-CI runs ``TURNOUT_FUZZ_EXAMPLES`` bodies per endpoint (default 1000); set it higher for a long run, e.g.
+CI runs ``TURNOUT_FUZZ_EXAMPLES`` bodies per endpoint (default 800); set it higher for a long run, e.g.
 ``TURNOUT_FUZZ_EXAMPLES=20000 pytest -s tests/server/test_serve_fuzz.py``. The counts are printed and,
 with ``TURNOUT_FUZZ_REPORT=path``, written there as JSON.
 """
@@ -29,7 +29,7 @@ from conftest import ServerProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-EXAMPLES = int(os.environ.get("TURNOUT_FUZZ_EXAMPLES", "1000"))
+EXAMPLES = int(os.environ.get("TURNOUT_FUZZ_EXAMPLES", "800"))
 REPORT = os.environ.get("TURNOUT_FUZZ_REPORT")
 HEALTH_EVERY = 100
 VOCAB = 49152  # SmolLM2-135M
@@ -144,6 +144,64 @@ chat_body = st.fixed_dictionaries({"messages": st.one_of(st.lists(message, min_s
     "add_generation_prompt": small_bool})
 
 
+# Valid bodies at the edges of what validation admits: the class of the issue's killer requests (they
+# passed validation, then overflowed a tensor inside a step). One or two tokens each, so they stay cheap.
+edge_token = st.one_of(st.sampled_from([0, 1, 2, VOCAB - 2, VOCAB - 1]), st.integers(0, VOCAB - 1))
+VALID_SAMPLING = {
+    "n": st.integers(1, 2),
+    "temperature": st.sampled_from([0, 0.0, 1e-30, 1e-6, 0.5, 1, 2, 100]),
+    "top_p": st.sampled_from([1e-30, 1e-9, 0.5, 1, 1.0]),
+    "top_k": st.sampled_from([-1, 0, 1, 2, VOCAB - 1, VOCAB, 2**31 - 1]),
+    "min_p": st.sampled_from([0, 1e-9, 0.5, 0.999, 1.0]),
+    "presence_penalty": st.sampled_from([-2, -2.0, 0, 2, 2.0]),
+    "frequency_penalty": st.sampled_from([-2, 0, 2]),
+    "repetition_penalty": st.sampled_from([1e-30, 1e-6, 0.5, 1, 10]),
+    "seed": st.sampled_from([0, 1, -1, 2**63 - 1, -(2**63), 2**64 - 1]),
+    "stop": st.one_of(st.text(min_size=1, max_size=8), st.lists(st.text(min_size=1, max_size=8), max_size=16)),
+    "stop_token_ids": st.lists(edge_token, max_size=8),
+    "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "stream": st.booleans(),
+    "logit_bias": st.just({}),
+    "user": st.text(max_size=8),
+}
+
+
+@st.composite
+def valid_completion_body(draw):
+    body = draw(st.fixed_dictionaries({"prompt": st.one_of(
+        st.text(min_size=1, max_size=12).filter(str.strip), st.lists(edge_token, min_size=1, max_size=4),
+        st.lists(st.lists(edge_token, min_size=1, max_size=3), min_size=1, max_size=2))},
+        optional={**VALID_SAMPLING, "logprobs": st.integers(0, 20), "echo": st.booleans()}))
+    body["max_tokens"] = draw(st.integers(1, 2))
+    body["min_tokens"] = draw(st.integers(0, body["max_tokens"]))
+    if body.get("echo"):
+        body.pop("logprobs", None)
+    if draw(st.booleans()):
+        body["best_of"] = body.get("n", 1)
+    if body.get("stream") and draw(st.booleans()):
+        body["stream_options"] = {"include_usage": draw(st.booleans())}
+    return body
+
+
+@st.composite
+def valid_chat_body(draw):
+    msgs = draw(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                "content": st.text(max_size=12)}), min_size=1, max_size=3))
+    body = draw(st.fixed_dictionaries({"messages": st.just(msgs)}, optional={
+        **VALID_SAMPLING, "add_generation_prompt": st.booleans(), "tool_choice": st.just("none"),
+        "response_format": st.just({"type": "text"})}))
+    body["max_completion_tokens" if draw(st.booleans()) else "max_tokens"] = draw(st.integers(1, 2))
+    body["min_tokens"] = draw(st.integers(0, 1))
+    if draw(st.booleans()):
+        body["logprobs"] = True
+        body["top_logprobs"] = draw(st.integers(0, 20))
+    if body.get("stream") and draw(st.booleans()):
+        body["stream_options"] = {"include_usage": draw(st.booleans())}
+    return body
+
+
 def _nested(depth: int, key: str) -> bytes:
     return ('{"%s": ' % key + "[" * depth + "1" + "]" * depth + "}").encode()
 
@@ -152,7 +210,7 @@ def raw_bodies(key: str):
     """Bytes that are not (or barely) JSON: the parser's own edges."""
     return st.one_of(
         st.binary(max_size=64),
-        st.integers(1, 5000).map(lambda d: _nested(d, key)),
+        st.integers(3, 5000).map(lambda d: _nested(d, key)),
         st.integers(1, 3000).map(lambda d: ('{"%s": ' % key + '{"a": ' * d + "1" + "}" * d + "}").encode()),
         st.sampled_from([b"", b"null", b"[]", b"1", b'"x"', b"{", b'{"%s": NaN}' % key.encode(),
                          b'{"%s": "x", "max_tokens": Infinity}' % key.encode(),
@@ -160,7 +218,7 @@ def raw_bodies(key: str):
                          b'{"%s": "x", "max_tokens": 1e400}' % key.encode(),
                          b'{"%s": "x", "n": 1.0}' % key.encode(),
                          b'{"%s": "x", "seed": 123456789012345678901234567890}' % key.encode(),
-                         b'{"%s": "x", "%s": "y"}' % (key.encode(), key.encode()),
+                         b'{"%s": "x", "%s": "y", "max_tokens": 1}' % (key.encode(), key.encode()),
                          b'\xef\xbb\xbf{"prompt": "x"}', b'{"prompt": "\xff\xfe"}', b'{"prompt": "\\ud800"}']))
 
 
@@ -246,14 +304,14 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize
 
 
 @FUZZ
-@given(body=st.one_of(completion_body, completion_body, completion_body, raw_bodies("prompt")))
+@given(body=st.one_of(*[completion_body] * 5, valid_completion_body(), raw_bodies("prompt")))
 def test_fuzz_completions(srv, body):
     _check(srv, COMP, body)
     _maybe_health(srv)
 
 
 @FUZZ
-@given(body=st.one_of(chat_body, chat_body, chat_body, raw_bodies("messages")))
+@given(body=st.one_of(*[chat_body] * 5, valid_chat_body(), raw_bodies("messages")))
 def test_fuzz_chat_completions(srv, body):
     _check(srv, CHAT, body)
     _maybe_health(srv)
