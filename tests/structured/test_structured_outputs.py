@@ -232,3 +232,25 @@ def test_threaded_batch_fill_equals_row_by_row(tok, compiler):
     assert torch.equal(serial, threaded) and rows == rows_t == [0, 1, 2, 4, 5, 6, 7, 8]
     assert not torch.equal(serial[4], serial[0])  # the advanced row differs
     assert (serial[3] == -1).all()  # the unconstrained row is untouched
+
+
+def test_structural_tag_walks_both_shapes(tok, compiler, walk_tools):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<answer>",
+                                                "content": {"type": "json_schema", "json_schema": schema},
+                                                "end": "</answer>"}}
+    for text in constrained_walk(tok, compiler, walk_tools, [StructuredOutputsParams(structural_tag=json.dumps(tag))] * 2,
+                                 seed=8):
+        assert text.startswith("<answer>") and text.endswith("</answer>"), text
+        check_schema(json.loads(text[len("<answer>"):-len("</answer>")]), schema)
+    # vLLM's first shape: free text, and after a trigger the tagged JSON
+    legacy = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "schema": schema, "end": "</function>"}]}
+    state = compiler.new_state(StructuredOutputsParams(structural_tag=json.dumps(legacy)))
+    ids = tok.encode('Sure. <function=get_weather>{"city": "Oslo"}</function> done', add_special_tokens=False)
+    assert state.accept_tokens(ids) == len(ids)
+    bad = compiler.new_state(StructuredOutputsParams(structural_tag=json.dumps(legacy)))
+    ids = tok.encode('<function=get_weather>{"town": "Oslo"}', add_special_tokens=False)
+    assert bad.accept_tokens(ids) < len(ids)  # the schema holds inside the tag
+    with pytest.raises(StructuredOutputsError, match="missing field 'end'"):
+        StructuredOutputsParams(structural_tag={"structures": [{"begin": "<a>"}], "triggers": ["<a>"]})

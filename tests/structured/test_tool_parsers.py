@@ -31,6 +31,9 @@ HERMES = [
      '"ok": true, "none": null}}}\n</tool_call>', None,
      [("search", '{"query": "llm", "filters": {"year": 2024, "score": -1.5e3, "ok": true, "none": null}}')]),
     ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', None, [("f", '{"a": 1}')]),
+    ('<tool_call>\n{\n  "name": "create_event",\n  "arguments": {\n    "title": "Sync",\n    "attendees": ["a@x.io"]\n  }\n}'
+     '\n</tool_call>\n', None,
+     [("create_event", '{\n    "title": "Sync",\n    "attendees": ["a@x.io"]\n  }')]),  # pretty-printed
     ('<tool_call>\n{"name": "no_args"}\n</tool_call>', None, [("no_args", "{}")]),
     ('<tool_call>\n{"name": "f", "arguments": {}}', None, [("f", "{}")]),  # stopped before </tool_call>
     ("The weather in Paris is sunny. Use <b>tags</b> freely, compare a < b and <tool", None, []),

@@ -61,10 +61,18 @@ def build_grammar(params):
             return xgr.Grammar.from_ebnf(params.grammar)
         if kind == "structural_tag":
             tag = params.structural_tag
-            return xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
-    except (RuntimeError, ValueError, TypeError) as e:
+            tag = json.loads(tag) if isinstance(tag, str) else tag
+            if isinstance(tag, dict) and "format" not in tag and "structures" in tag:
+                # vLLM's first structural-tag shape: {"structures": [{"begin", "schema", "end"}], "triggers"}
+                items = [xgr.StructuralTagItem(begin=t["begin"], schema=json.dumps(t.get("schema", {})), end=t["end"])
+                         for t in tag["structures"]]
+                return xgr.Grammar.from_structural_tag(
+                    xgr.StructuralTag.from_legacy_structural_tag(items, list(tag.get("triggers", []))))
+            return xgr.Grammar.from_structural_tag(json.dumps(tag))
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
         what = {"json": "invalid JSON schema", "json_object": "invalid JSON object grammar", "regex": "invalid regex",
                 "choice": "invalid choices", "grammar": "invalid EBNF grammar",
                 "structural_tag": "invalid structural tag"}[kind]
-        raise params.error(kind, f"{what}: {clean_error(e)}") from None
+        why = f"missing field {e.args[0]!r}" if isinstance(e, KeyError) else clean_error(e)
+        raise params.error(kind, f"{what}: {why}") from None
     raise AssertionError(kind)  # pragma: no cover - KINDS and this function list the same kinds
