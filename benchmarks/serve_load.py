@@ -9,6 +9,12 @@ Checks, and fails (exit 1) if any does not hold:
 Prints requests/s, output tokens/s and TTFT / inter-token latency percentiles as a table and as JSON.
 
     python benchmarks/serve_load.py --base-url http://127.0.0.1:8000 -n 64 -c 16 --disconnect-frac 0.2
+
+Mixed load (``--mixed``): -n short requests at -c concurrency, first alone, then with one request of
+n=--big-n choices running beside them; prints the short ones' TTFT percentiles for both and the p99 ratio
+(a fair scheduler keeps it near 1; without one, every step carries all of the big request's sequences):
+
+    python benchmarks/serve_load.py --mixed -n 100 -c 8 --short-max-tokens 4 --big-n 128 --big-max-tokens 32
 """
 
 from __future__ import annotations
@@ -190,6 +196,116 @@ async def run_load(base_url: str, *, num_requests: int = 32, concurrency: int = 
     }
 
 
+# ------------------------------------------------------------------ mixed load: one big request among short ones
+async def _short_ttft(client, i, max_tokens, seed, model) -> tuple[float | None, str | None]:
+    """One short streaming request: (time to its first token, error)."""
+    body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0.8, "seed": seed + i,
+            "stream": True, "logprobs": 0, "ignore_eos": True}
+    if model:
+        body["model"] = model
+    t0 = time.perf_counter()
+    ttft = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return None, f"short {i}: HTTP {r.status_code}: {r.text[:200]}"
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return ttft, f"short {i}: error event {chunk['error']}"
+                if ttft is None and any((c.get("logprobs") or {}).get("tokens") for c in chunk["choices"]):
+                    ttft = time.perf_counter() - t0
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        return ttft, f"short {i}: {type(e).__name__}: {e}"
+    return ttft, None
+
+
+async def _big(client, n, max_tokens, seed, model) -> dict:
+    body = {"prompt": "Write a long story about a lighthouse keeper.", "n": n, "max_tokens": max_tokens,
+            "temperature": 1.0, "seed": seed, "ignore_eos": True}
+    if model:
+        body["model"] = model
+    t0 = time.perf_counter()
+    r = await client.post("/v1/completions", json=body)
+    out = {"status": r.status_code, "e2e_s": round(time.perf_counter() - t0, 3)}
+    if r.status_code == 200:
+        out["completion_tokens"] = r.json()["usage"]["completion_tokens"]
+    else:
+        out["error"] = r.text[:300]
+    return out
+
+
+async def _phase(client, *, with_big, num_short, concurrency, short_max_tokens, big_n, big_max_tokens, seed,
+                 model) -> dict:
+    await wait_idle(client, float("inf"), timeout=120)
+    big_task = None
+    if with_big:
+        big_task = asyncio.ensure_future(_big(client, big_n, big_max_tokens, seed, model))
+        deadline = time.monotonic() + 30  # let it be admitted and start before the short ones arrive
+        while time.monotonic() < deadline and (await server_gauges(client))["num_requests_running"] < 1:
+            await asyncio.sleep(0.02)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i):
+        async with sem:
+            return await _short_ttft(client, i, short_max_tokens, seed, model)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(num_short)))
+    shorts_s = time.perf_counter() - t0
+    big_running_at_end = with_big and not big_task.done()
+    big = await big_task if big_task is not None else None
+    ttft = [t for t, _ in results if t is not None]
+    return {"short_ttft_s": {f"p{q}": _pct(ttft, q) for q in (50, 90, 99)}, "shorts_elapsed_s": round(shorts_s, 3),
+            "short_errors": [e for _, e in results if e], "big": big,
+            "big_still_running_when_shorts_ended": big_running_at_end}
+
+
+async def run_mixed(base_url: str, *, num_short: int = 100, concurrency: int = 8, short_max_tokens: int = 4,
+                    big_n: int = 128, big_max_tokens: int = 32, seed: int = 0, model: str | None = None,
+                    api_key: str | None = None) -> dict:
+    """p99 TTFT of ``num_short`` short requests, alone and with one n=``big_n`` request running beside them."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    kw = dict(num_short=num_short, concurrency=concurrency, short_max_tokens=short_max_tokens, big_n=big_n,
+              big_max_tokens=big_max_tokens, seed=seed, model=model)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(600.0),
+                                 limits=limits) as client:
+        await asyncio.gather(*(_short_ttft(client, i, 2, seed, model) for i in range(concurrency)))  # warm up
+        alone = await _phase(client, with_big=False, **kw)
+        mixed = await _phase(client, with_big=True, **kw)
+    p99a, p99m = alone["short_ttft_s"]["p99"], mixed["short_ttft_s"]["p99"]
+    failures = alone["short_errors"] + mixed["short_errors"]
+    if mixed["big"]["status"] != 200:
+        failures.append(f"big request: HTTP {mixed['big']['status']}: {mixed['big'].get('error')}")
+    return {"mode": "mixed", **{k: v for k, v in kw.items() if k != "model"}, "alone": alone, "mixed": mixed,
+            "p99_ttft_ratio": round(p99m / p99a, 3) if p99a and p99m else None, "failures": failures}
+
+
+def format_mixed_table(res: dict) -> str:
+    def ms(x):
+        return "-" if x is None else f"{x * 1000:.0f}"
+
+    rows = [("", "short TTFT p50 / p90 / p99 (ms)", "shorts took (s)", "big request")]
+    for name in ("alone", "mixed"):
+        ph = res[name]
+        t = ph["short_ttft_s"]
+        big = ph["big"]
+        big_s = "-" if big is None else (f"n={res['big_n']}, {big.get('completion_tokens', 0)} tokens, "
+                                         f"{big['e2e_s']:.1f} s" + (" (ran past the shorts)"
+                                                                   if ph["big_still_running_when_shorts_ended"]
+                                                                   else ""))
+        rows.append((f"{res['num_short']} short" + (" + 1 big" if name == "mixed" else ""),
+                     " / ".join(ms(t[k]) for k in ("p50", "p90", "p99")), f"{ph['shorts_elapsed_s']:.1f}", big_s))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append(f"p99 TTFT with / without the big request: {res['p99_ttft_ratio']}x")
+    return "\n".join(lines)
+
+
 def format_table(res: dict) -> str:
     def ms(x):
         return "-" if x is None else f"{x * 1000:.1f}"
@@ -223,7 +339,25 @@ def main(argv=None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--verify", type=int, default=4, help="finished streams re-run non-streamed and compared")
     p.add_argument("--json", default=None, help="also write the JSON result to this file")
+    p.add_argument("--mixed", action="store_true",
+                   help="mixed load: -n short requests (--short-max-tokens) at -c concurrency, alone and with one "
+                        "n=--big-n request beside them; reports both p99 TTFTs of the short ones")
+    p.add_argument("--short-max-tokens", type=int, default=4)
+    p.add_argument("--big-n", type=int, default=128)
+    p.add_argument("--big-max-tokens", type=int, default=32)
     a = p.parse_args(argv)
+    if a.mixed:
+        res = asyncio.run(run_mixed(a.base_url, num_short=a.num_requests, concurrency=a.concurrency,
+                                    short_max_tokens=a.short_max_tokens, big_n=a.big_n,
+                                    big_max_tokens=a.big_max_tokens, seed=a.seed, model=a.model, api_key=a.api_key))
+        print(format_mixed_table(res))
+        print(json.dumps(res, indent=2))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=2)
+        for f in res["failures"]:
+            print(f"FAIL: {f}", file=sys.stderr)
+        return 1 if res["failures"] else 0
     res = asyncio.run(run_load(a.base_url, num_requests=a.num_requests, concurrency=a.concurrency,
                                max_tokens=a.max_tokens, disconnect_frac=a.disconnect_frac, seed=a.seed,
                                model=a.model, api_key=a.api_key, verify=a.verify))
