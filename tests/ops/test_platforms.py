@@ -139,6 +139,11 @@ def test_cuda_api_vendors_by_device_name(monkeypatch, device_name, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: device_name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # such builds answer as CUDA too
+    monkeypatch.setattr(torch.version, "hip", None)
+    # The cuda probe declines the vendor's device, so that "--device cuda" finds the vendor platform.
+    assert cuda.probe() == (None, f"device 0 is {device_name!r}: platform {expected}, not NVIDIA CUDA")
     plat = detect_platform()
     assert plat.name == expected and plat.device_type == "cuda" and plat.dist_backend == "nccl"
     assert plat.triton_backend and plat.family_order == ("vendor", "triton", "reference")

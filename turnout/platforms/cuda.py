@@ -13,6 +13,11 @@ def probe() -> tuple[Platform | None, str]:
     if not torch.cuda.is_available():
         return None, "torch.cuda.is_available() is False"
     name = torch.cuda.get_device_name(0)
+    from turnout.platforms.vendors import cuda_api_vendor
+
+    vendor = cuda_api_vendor(name)
+    if vendor is not None:  # a vendor build answering torch.cuda: its own platform serves it
+        return None, f"device 0 is {name!r}: platform {vendor}, not NVIDIA CUDA"
     cap = torch.cuda.get_device_capability(0)
     return (
         Platform(

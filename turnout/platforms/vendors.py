@@ -43,6 +43,19 @@ def _cuda_device_name() -> tuple[str | None, str]:
         return None, f"torch.cuda query failed: {type(e).__name__}: {e}"
 
 
+def cuda_api_vendor(device_name: str) -> str | None:
+    """The platform name of a vendor whose torch build answers torch.cuda for its own GPUs ("maca",
+    "iluvatar"), from the build and device 0's name; None for an NVIDIA device. The cuda probe declines
+    these, so that ``--device cuda`` picks the vendor's platform by device type, not plain cuda."""
+    import torch
+
+    if getattr(torch.version, "maca", None) or "metax" in device_name.lower():
+        return "maca"
+    if "iluvatar" in device_name.lower():
+        return "iluvatar"
+    return None
+
+
 def probe_maca() -> tuple[Platform | None, str]:
     """MetaX (MACA): a torch build whose CUDA API runs on MetaX GPUs."""
     import torch
