@@ -80,3 +80,32 @@ def test_a_64_bit_seed_is_served_and_reproducible(llm):
     a = _generate(engine, SamplingParams(temperature=1.0, seed=2**64 - 1, max_tokens=8, ignore_eos=True))
     b = _generate(engine, SamplingParams(temperature=1.0, seed=2**64 - 1, max_tokens=8, ignore_eos=True))
     assert a == b and len(a) == 8
+
+
+def test_logit_bias_applies_to_its_request_only(llm):
+    engine = llm.engine
+    plain = SamplingParams(temperature=1.0, seed=4, max_tokens=6, ignore_eos=True)
+    base = _generate(engine, plain)
+    engine.add_request("biased", [1, 2, 3], SamplingParams(temperature=1.0, seed=9, max_tokens=6, ignore_eos=True,
+                                                           logit_bias={7: 100.0, 8: -100.0}))
+    engine.add_request("plain", [1, 2, 3], SamplingParams(temperature=1.0, seed=4, max_tokens=6, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done["biased"] == [7] * 6
+    assert done["plain"] == base
+    a = _generate(engine, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={8: -100.0}))
+    assert 8 not in a
+
+
+def test_out_of_vocabulary_bias_ids_bias_nothing(llm):
+    engine = llm.engine
+    base = _generate(engine, SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True))
+
+    def poke(p):
+        p.logit_bias = {64: 100.0, 65 + 64: 100.0, 2**70: 100.0}  # 129 would wrap onto token 0 mod 65
+
+    got = _generate(engine, SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True), poke)
+    assert got == base

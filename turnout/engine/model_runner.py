@@ -185,8 +185,8 @@ class ModelRunner:
     def _lane_values(self, seq, eos_ids: set[int], pending: int) -> tuple:
         """One lane's sampling inputs, each made to fit its tensor here (admission checked them already;
         this is what keeps a value that slipped through from overflowing a dtype inside the step):
-        top_k above the vocabulary is off, seeds are 63-bit, banned ids outside the vocabulary are
-        dropped (they must never wrap onto real tokens)."""
+        top_k above the vocabulary is off, seeds are 63-bit, banned and biased ids outside the
+        vocabulary are dropped (they must never wrap onto real tokens)."""
         p = seq.params
         vocab = self.vocab_size
         step = seq.num_output_tokens + pending
@@ -195,7 +195,8 @@ class ModelRunner:
             ids = (set() if p.ignore_eos else eos_ids) | set(p.stop_token_ids)
             banned = sorted(t for t in ids if 0 <= t < vocab)
         top_k = p.top_k if 0 < p.top_k < vocab else 0
-        return (float(p.temperature), top_k, float(p.top_p), float(p.min_p), seq.seed % 2**63, step, banned)
+        bias = () if not p.logit_bias else tuple((t, float(v)) for t, v in p.logit_bias.items() if 0 <= t < vocab)
+        return (float(p.temperature), top_k, float(p.top_p), float(p.min_p), seq.seed % 2**63, step, banned, bias)
 
     def build_sampling(self, lanes, rows: list[int], eos_ids: set[int], want_logprobs: int,
                        pending: int = 0) -> tuple[SamplingBatch | None, dict[int, BaseException]]:
@@ -216,7 +217,7 @@ class ModelRunner:
             return None, faults
         lanes = kept
         ps = [seq.params for seq in lanes]
-        temperature, top_k, top_p, min_p, seeds, steps, banned = (list(c) for c in zip(*vals))
+        temperature, top_k, top_p, min_p, seeds, steps, banned, bias = (list(c) for c in zip(*vals))
         t = self._h2d
 
         b = SamplingBatch(rows=t(kept_rows, torch.long), temperature=t(temperature, torch.float32),
@@ -240,6 +241,10 @@ class ModelRunner:
             b.repetition = t([p.repetition_penalty for p in ps], torch.float32)
         if any(banned):
             b.banned = t(_pad([list(x) for x in banned]), torch.long)
+        if any(bias):
+            width = max(len(x) for x in bias)
+            b.bias_ids = t([[i for i, _ in x] + [-1] * (width - len(x)) for x in bias], torch.long)
+            b.bias_values = t([[v for _, v in x] + [0.0] * (width - len(x)) for x in bias], torch.float32)
         b.want_logprobs = want_logprobs >= 0
         b.max_logprobs = max(want_logprobs, 0)
         return b, faults

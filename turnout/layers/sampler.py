@@ -48,6 +48,9 @@ class SamplingBatch:
     prompt_ids: torch.Tensor | None = None  # [L, maxlen] i64
     # Token ids to forbid per lane (min_tokens not reached: EOS and stop ids): [L, m] i64, -1 = pad.
     banned: torch.Tensor | None = None
+    # logit_bias (None when no lane has one): [L, m] token ids (-1 = pad) and the values added to them
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None  # [L, m] f32
     max_logprobs: int = 0  # top-N logprobs to return (0: only when a lane asked, the sampled one)
     want_logprobs: bool = False
     seq_ids: list[int] = field(default_factory=list)  # [L]: whose lane it is (faults are reported by seq_id)
@@ -89,6 +92,10 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         # HF/vLLM repetition penalty: divide positive logits, multiply negative ones, on seen tokens.
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
         logits = logits - b.frequency[:, None] * out_counts - b.presence[:, None] * (out_counts > 0).float()
+    if b.bias_ids is not None:
+        bias = torch.zeros(logits.shape[0], vocab + 1, dtype=logits.dtype, device=logits.device)
+        bias.scatter_add_(1, _in_vocab(b.bias_ids, vocab), b.bias_values.to(logits.dtype))
+        logits = logits + bias[:, :vocab]
     if b.banned is not None:
         mask = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
         mask.scatter_(1, _in_vocab(b.banned, vocab), True)
@@ -159,7 +166,7 @@ def sample(ops, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
             b = b.select(keep)
             logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
     raw = logits
-    if b.output_ids is not None or b.banned is not None:
+    if b.output_ids is not None or b.banned is not None or b.bias_ids is not None:
         logits = apply_penalties(logits, b)
     tokens = ops.sample(logits.contiguous(), b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
     out = SamplerOutput(tokens, faults=faults)
