@@ -1,4 +1,5 @@
-"""HF ``architectures`` name -> model class, imported lazily."""
+"""HF ``architectures`` name -> model class, imported lazily. A class is built as ``cls(hf_config, ops, plan)``:
+the op table and the fusion plan (turnout/layers/fusion.py), both frozen before the model exists."""
 
 from __future__ import annotations
 
