@@ -82,17 +82,7 @@ RULES = {
 }
 
 
-def _kv_rule_marks():
-    # kv/block_manager.py names engine.sequence.Sequence (under TYPE_CHECKING) until the block manager takes a
-    # Protocol of what it needs of a sequence (H2's change, in flight as this test was written).
-    if _violations(*RULES["kv imports no engine"]):
-        return [pytest.mark.xfail(reason="kv/block_manager.py still imports turnout.engine.sequence (a "
-                                         "Protocol for the block manager is in flight)", strict=False)]
-    return []
-
-
-@pytest.mark.parametrize("rule", [pytest.param(r, marks=_kv_rule_marks() if r == "kv imports no engine" else [])
-                                  for r in RULES])
+@pytest.mark.parametrize("rule", list(RULES))
 def test_no_upward_import(rule):
     assert _violations(*RULES[rule]) == []
 
