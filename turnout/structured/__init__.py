@@ -7,6 +7,7 @@
 - matcher.py: ``GrammarState`` (one per sequence): accept a token, fill its bitmask row, terminated,
   rollback, fork; ``fill_batch_bitmask`` for a batch.
 - request.py: OpenAI ``response_format`` and vLLM's ``structured_outputs`` / ``guided_*`` -> params.
+- mask.py: ``BitmaskStage``, the sampler's grammar stage (pinned double buffer, one copy, the op).
 
 The mask is applied by the ``apply_token_bitmask`` op (turnout/ops/reference/bitmask.py).
 """
