@@ -254,3 +254,11 @@ def test_structural_tag_walks_both_shapes(tok, compiler, walk_tools):
     assert bad.accept_tokens(ids) < len(ids)  # the schema holds inside the tag
     with pytest.raises(StructuredOutputsError, match="missing field 'end'"):
         StructuredOutputsParams(structural_tag={"structures": [{"begin": "<a>"}], "triggers": ["<a>"]})
+
+
+def test_without_xgrammar_the_error_says_so(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
+    with pytest.raises(RuntimeError, match="structured output needs the xgrammar package"):
+        StructuredOutputsParams(regex="a")

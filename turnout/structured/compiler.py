@@ -35,7 +35,9 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int | None = None, *, stop_token_ids: list[int] | None = None,
                  max_threads: int = 2, cache_size: int = 256):
-        import xgrammar as xgr
+        from turnout.structured.grammar import import_xgrammar
+
+        xgr = import_xgrammar()
 
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._init(info, max_threads, cache_size)
@@ -47,7 +49,9 @@ class GrammarCompiler:
         return self
 
     def _init(self, info, max_threads: int, cache_size: int) -> None:
-        import xgrammar as xgr
+        from turnout.structured.grammar import import_xgrammar
+
+        xgr = import_xgrammar()
 
         if cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")

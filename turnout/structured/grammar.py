@@ -40,9 +40,19 @@ def choice_ebnf(choices) -> str:
     return "root ::= " + " | ".join(f"({ebnf_string(c)})" for c in dict.fromkeys(choices))
 
 
+def import_xgrammar():
+    """xgrammar, or a RuntimeError saying that structured output needs it (it is a dependency of turnout;
+    a trimmed install may lack it, and then only structured output is off)."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise RuntimeError(f"structured output needs the xgrammar package, which does not import here: {e}") from e
+    return xgrammar
+
+
 def build_grammar(params):
     """The xgrammar Grammar of ``params``; an invalid spec raises StructuredOutputsError naming its field."""
-    import xgrammar as xgr
+    xgr = import_xgrammar()
 
     kind = params.kind
     # disable_any_whitespace means no whitespace at all (vLLM's documented meaning), not json.dumps' ", ".

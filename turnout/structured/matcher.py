@@ -24,7 +24,9 @@ def allocate_bitmask(rows: int, vocab_size: int, *, pin_memory: bool = False) ->
 
 class GrammarState:
     def __init__(self, compiled, vocab_size: int, _matcher=None):
-        import xgrammar as xgr
+        from turnout.structured.grammar import import_xgrammar
+
+        xgr = import_xgrammar()
 
         self.compiled = compiled
         self.vocab_size = vocab_size
@@ -111,6 +113,6 @@ def fill_batch_bitmask(states: Sequence[GrammarState | None], bitmask: torch.Ten
 
 def batch_filler(max_threads: int | str = "auto"):
     """The thread pool ``fill_batch_bitmask`` fills large batches with (one per engine)."""
-    import xgrammar as xgr
+    from turnout.structured.grammar import import_xgrammar
 
-    return xgr.BatchGrammarMatcher(max_threads)
+    return import_xgrammar().BatchGrammarMatcher(max_threads)
