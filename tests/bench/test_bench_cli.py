@@ -58,7 +58,8 @@ def test_bench_latency_json(tmp_path, capsys):
 
 def test_bench_throughput_json_with_ceilings(tmp_path, capsys):
     out = tmp_path / "thr.json"
-    argv = ["--log-level", "WARNING", "bench", "throughput", "--model", str(_write(tmp_path, TINY)), *COMMON,
+    # the model as the positional, the global flag after the subcommand
+    argv = ["bench", "throughput", str(_write(tmp_path, TINY)), "--log-level", "WARNING", *COMMON,
             "--num-prompts", "5", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--output-json", str(out)]
     argv.remove("--no-ceilings")
     assert cli_main(argv) == 0
@@ -70,6 +71,52 @@ def test_bench_throughput_json_with_ceilings(tmp_path, capsys):
     assert 1 <= r["mean_decode_batch"] <= 4
     assert r["ceilings"]["copy_GB_s"] > 0 and r["ceilings"]["gemm_TFLOP_s"] > 0
     assert 0 < r["frac_of_copy_bw"] and 0 < r["frac_of_gemm"]
+
+
+def test_global_flags_before_and_after_every_subcommand():
+    from turnout.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "hi"]).log_level == "INFO"
+    for argv in (["--log-level", "DEBUG", "generate", "hi"], ["generate", "--log-level", "DEBUG", "hi"],
+                 ["generate", "hi", "--log-level", "DEBUG"], ["ops", "--log-level", "DEBUG"],
+                 ["bench", "latency", "--log-level", "DEBUG"], ["--log-level", "DEBUG", "bench", "throughput"],
+                 ["serve", "--log-level", "DEBUG"]):
+        assert parser.parse_args(argv).log_level == "DEBUG", argv
+    # given before and after: the later one wins, as for any repeated flag
+    assert parser.parse_args(["--log-level", "ERROR", "generate", "--log-level", "DEBUG", "x"]).log_level == "DEBUG"
+
+
+def test_unknown_log_level_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "--log-level", "LOUD", "hi"])
+    assert e.value.code == 2 and "--log-level" in capsys.readouterr().err
+
+
+def test_model_flag_and_positional_and_both_boolean_spellings():
+    from turnout.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["bench", "latency", "m1"], ["bench", "latency", "--model", "m1"]):
+        args = parser.parse_args(argv)
+        bench_cmd._validate(args)
+        assert args.model == "m1", argv
+    args = parser.parse_args(["bench", "latency", "m1", "--model", "m2"])
+    with pytest.raises(ValueError, match=r"--model: the model is given twice"):
+        bench_cmd._validate(args)
+    assert parser.parse_args(["generate", "--model", "m1", "hi"]).model == "m1"
+    flags = {"bench": ["enable-prefix-caching", "enforce-eager", "async-scheduling", "ceilings"],
+             "generate": ["enable-prefix-caching", "enforce-eager", "async-scheduling", "chat"]}
+    for cmd, names in flags.items():
+        head = ["bench", "latency"] if cmd == "bench" else ["generate", "hi"]
+        for name in names:
+            dest = name.replace("-", "_")
+            assert getattr(parser.parse_args(head + [f"--{name}"]), dest) is True, name
+            assert getattr(parser.parse_args(head + [f"--no-{name}"]), dest) is False, name
+    defaults = parser.parse_args(["bench", "latency"])
+    assert (defaults.enable_prefix_caching, defaults.enforce_eager, defaults.ceilings) == (False, False, True)
+    defaults = parser.parse_args(["generate", "hi"])
+    assert (defaults.enable_prefix_caching, defaults.enforce_eager, defaults.chat) == (True, False, False)
 
 
 def test_bench_rejects_bad_lengths(tmp_path, capsys):

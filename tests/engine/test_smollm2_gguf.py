@@ -104,7 +104,7 @@ def test_generate_cli_streams_text(tmp_path):
     import sys
 
     env = dict(os.environ)
-    r = subprocess.run([sys.executable, "-m", "turnout.entrypoints.cli", "--log-level", "WARNING", "generate",
+    r = subprocess.run([sys.executable, "-m", "turnout.entrypoints.cli", "generate", "--log-level", "WARNING",
                         "--max-tokens", "8", "The capital of France is"], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr

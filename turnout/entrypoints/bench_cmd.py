@@ -50,14 +50,17 @@ THROUGHPUT_FIELDS = COMMON_FIELDS + ("num_prompts", "elapsed_s", "requests_per_s
 
 
 def _common(p) -> None:
-    p.add_argument("--model", default=None,
+    p.add_argument("model", nargs="?", default=None,
                    help="model directory/file, or a name from benchmarks/configs (qwen3-8b, llama-3.1-8b, ...)")
+    p.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
+                   help="the same as the positional MODEL (vLLM's spelling); give one of the two")
     p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy (bundled configs: dummy)")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="no CUDA graphs (default: graphs on a GPU)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before the last one's tokens are read back "
                         "(default: on for GPUs, off on CPU)")
@@ -67,10 +70,12 @@ def _common(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (default: sized by the engine)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action="store_true", help="off by default: random prompts")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="off by default: random prompts")
     p.add_argument("--ops-policy", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and GEMM rate")
+    p.add_argument("--ceilings", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure copy bandwidth and GEMM rate first (default: on; --no-ceilings skips them)")
     p.add_argument("--output-json", default=None, metavar="PATH")
 
 
@@ -86,7 +91,16 @@ def add_arguments(p) -> None:
     thr.add_argument("--num-prompts", type=int, default=256)
 
 
+def _resolve_model_arg(args) -> None:
+    """MODEL given as the positional or as --model; both, differing, is a mistake."""
+    flag = args.model_flag
+    if flag is not None and args.model is not None and flag != args.model:
+        raise ValueError(f"--model: the model is given twice ({args.model!r} and --model {flag!r}); give one")
+    args.model = args.model if args.model is not None else flag
+
+
 def _validate(args) -> None:
+    _resolve_model_arg(args)
     for name in ("input_len", "output_len") + (("batch_size", "num_iters") if args.bench == "latency"
                                                else ("num_prompts",)):
         if getattr(args, name) < 1:
@@ -129,7 +143,7 @@ def _ceilings(args, dtype) -> dict:
     from turnout.platforms import detect_platform
     from turnout.utils.roofline import measure_ceilings
 
-    if args.no_ceilings:
+    if not args.ceilings:
         return {"copy_GB_s": None, "gemm_TFLOP_s": None, "skipped": True}
     platform = detect_platform(args.device)
     return measure_ceilings(platform.device(0 if platform.is_gpu else None), dtype)

@@ -17,14 +17,34 @@ SUBCOMMANDS = {
 }
 
 
+def _add_global_flags(parser: argparse.ArgumentParser, top: bool) -> None:
+    """Flags every subcommand takes, before it (``turnout --log-level X generate``) or after it
+    (``turnout generate --log-level X``). Below the top the default is SUPPRESS, so a subcommand's parser
+    never overwrites a value given before the subcommand with its own default."""
+    parser.add_argument("--log-level", default="INFO" if top else argparse.SUPPRESS,
+                        help="logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    """Every parser below ``parser`` (``bench latency`` is two levels down)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield child
+                yield from _subparsers(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="turnout", description="A portable LLM inference engine.")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    _add_global_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module).add_arguments(p)
         p.set_defaults(_module=module)
+    for p in _subparsers(parser):
+        if "--log-level" not in p._option_string_actions:  # a subcommand may define its own
+            _add_global_flags(p, top=False)
     return parser
 
 
@@ -34,9 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"turnout: error: {e}", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.getLevelName(str(args.log_level).upper())
+    if not isinstance(level, int):
+        parser.error(f"--log-level: unknown level {args.log_level!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, RuntimeError) as e:

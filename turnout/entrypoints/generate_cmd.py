@@ -1,9 +1,12 @@
 """`turnout generate`: stream text for one prompt; a progress bar (tokens/s) for many."""
 
+import argparse
 import sys
 
 
 def add_arguments(p) -> None:
+    # The positionals are the prompts (any text), so the model is always --model: a positional MODEL before
+    # them could not be told from a prompt.
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     p.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -11,12 +14,20 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
+                   help="apply the model's chat template to each prompt (default: off)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--load-format", default="auto")
     p.add_argument("--ops-policy", default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of shared prompt prefixes (default: on)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="no CUDA graphs (default: graphs on a GPU)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch the next decode step before the last one's tokens are read back "
+                        "(default: on for GPUs, off on CPU)")
 
 
 def run(args) -> int:
@@ -28,7 +39,9 @@ def run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              load_format=args.load_format, ops_policy=args.ops_policy)
+              load_format=args.load_format, ops_policy=args.ops_policy,
+              enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+              async_scheduling=args.async_scheduling)
     engine = llm.engine
     if args.chat:
         prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
