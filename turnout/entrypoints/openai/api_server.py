@@ -186,7 +186,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc):
-        return error_response(400, str(exc.errors()[:1]), code="invalid_request")
+        # routes parse their bodies themselves (serving.parse); this is FastAPI's own, for a future route
+        first = (exc.errors() or [{}])[0]
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        param = ".".join(loc) or None
+        return error_response(400, f"{param or 'request'}: {first.get('msg', 'invalid')}", param=param,
+                              code="invalid_request")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
