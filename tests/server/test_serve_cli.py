@@ -16,7 +16,9 @@ from turnout.entrypoints.openai import serve_cmd, serve_docs
 
 
 def _args(*argv):
-    return serve_docs.serve_parser().parse_args(list(argv))
+    from turnout.entrypoints import cli
+
+    return cli.build_parser().parse_args(["serve", *argv])
 
 
 def _serve(*argv, timeout=30):

@@ -1,5 +1,6 @@
 """HTTP hygiene of `turnout serve`: header / body / write deadlines, a connection limit, JSON-only POSTs,
-duplicate Authorization headers. A real server with short limits, raw sockets as the misbehaving clients."""
+duplicate Authorization headers, the per-request token budget. A real server with short limits, raw sockets
+as the misbehaving clients."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ MAX_CONN = 6
 @pytest.fixture(scope="module")
 def srv():
     s = ServerProcess("--max-model-len", "256", "--max-num-seqs", "2", "--timeout-header", "1",
-                      "--timeout-body", "1", "--max-connections", str(MAX_CONN), "--h11-max-header-count", "40")
+                      "--timeout-body", "1", "--max-connections", str(MAX_CONN), "--h11-max-header-count", "40",
+                      "--max-tokens-per-request", "200")
     try:
         s.wait_healthy()
         yield s
@@ -125,6 +127,17 @@ def test_too_many_header_fields_are_431(srv):
                    timeout=10)
     assert r.status_code == 431 and r.json()["error"]["code"] == "too_many_headers"
     _ok(srv)
+
+
+def test_max_tokens_per_request(srv):
+    """--max-tokens-per-request 200: n x (prompt + max_tokens) over it is a 400 naming the limit."""
+    url = f"{srv.base_url}/v1/completions"
+    r = httpx.post(url, json={"prompt": "Hi", "n": 4, "max_tokens": 60}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens_per_request" and "200" in err["message"]
+    r = httpx.post(url, json={"prompt": "Hi", "n": 2, "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200, r.text
 
 
 # ------------------------------------------------------------------ a client that stops reading the response

@@ -20,11 +20,13 @@ _DOC_DEFAULTS = {"api_key": "`$TURNOUT_API_KEY`"}
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from turnout.entrypoints.openai import serve_cmd
+    """The parser `turnout serve` really uses (the CLI adds its global flags, such as --log-level, to it)."""
+    from turnout.entrypoints import cli
 
-    p = argparse.ArgumentParser(prog="turnout serve")
-    serve_cmd.add_arguments(p)
-    return p
+    for action in cli.build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices["serve"]
+    raise RuntimeError("the turnout CLI has no serve subcommand")
 
 
 def _flag(action: argparse.Action) -> str:
@@ -54,11 +56,13 @@ def flag_tables(parser: argparse.ArgumentParser | None = None) -> str:
 
     parser = parser or serve_parser()
     out = []
-    for group in parser._action_groups:  # argparse has no public accessor for its groups
-        if group.title not in GROUPS:
-            continue
-        out += [f"### {group.title}", "", "| flag | default | meaning |", "|---|---|---|"]
-        for a in group._group_actions:
+    groups = [(g.title, g._group_actions) for g in parser._action_groups  # argparse has no public accessor
+              if g.title in GROUPS]
+    common = [a for g in parser._action_groups if g.title not in GROUPS for a in g._group_actions
+              if not isinstance(a, argparse._HelpAction)]
+    for title, actions in groups + ([("every turnout command", common)] if common else []):
+        out += [f"### {title}", "", "| flag | default | meaning |", "|---|---|---|"]
+        for a in actions:
             out.append(f"| {_flag(a)} | {_cell(_default(a))} | {_cell(a.help)} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
