@@ -1,29 +1,44 @@
 #!/usr/bin/env bash
-# The GPU suite: run ONCE on a GPU machine, everything within ~9 minutes, one JSON summary.
+# The GPU suite in two parts, each one device call of under 9 minutes on a cold machine (a cold Triton cache
+# compiles every kernel on first use), and one JSON summary per call.
 #
-#   benchmarks/gpu_suite.sh OUTDIR          (QUICK=1: smaller throughput runs)
+#   benchmarks/gpu_suite.sh OUTDIR tests     GPU tests, conformance suite, kernel micro-benchmarks
+#   benchmarks/gpu_suite.sh OUTDIR bench     every benchmark with its HF peer (dense, then MoE)
+#   benchmarks/gpu_suite.sh OUTDIR [all]     both in one call: only on a warm machine (QUICK=1 advised)
 #
-# Steps, in order, each under `timeout` (its cap, or what is left of the total budget):
-#   pytest_gpu     python -m pytest -m gpu tests/           -> pytest_gpu.xml
-#   ops_check      turnout ops --check --json (conformance)  -> ops_check.json
-#   kernels        python benchmarks/kernels.py              -> kernels.log (JSON lines)
-#   lat_graphs     turnout bench latency, Qwen3-8B dummy bf16, batch 1, 128 in / 256 out, CUDA graphs
-#   lat_eager      the same with --enforce-eager
-#   throughput     turnout bench throughput, 512 x (1024 in / 512 out)   (QUICK=1: 128 prompts)
-#   prefill        turnout bench latency, 8 x 2048 in / 1 out: prefill TFLOP/s
-#   hf_peer        HF transformers on identical weights: batch-1 eager/static, throughput, greedy check
-#   moe_b1         turnout bench latency, MOE_MODEL (Qwen3-30B-A3B dummy) batch 1, 128 in / 128 out
-#   moe_b64        the same at batch 64 (issue #6: >= 10x HF)
-#   hf_moe         HF on identical MoE weights: batch-1 eager, and one batch of 64 x (128 in / 128 out)
-# After every step OUTDIR/summary.json is rewritten (benchmarks/gpu_suite_summary.py), so a run cut
-# short still leaves a summary; a step that hits its limit is recorded as timed_out.
+# Steps, in order, each under `timeout` (its cap, or what is left of the part's budget). In each part
+# the caps add up to no more than the budget, so no step is skipped for lack of time: a slow step is cut
+# at its cap (timed_out) and the next one runs. docs/gpu.md has the measured time of each part.
+#   tests:
+#   pytest_gpu     python -m pytest -m gpu tests/           -> pytest_gpu.xml            cap 300 s
+#   ops_check      turnout ops --check --json (conformance)  -> ops_check.json           cap 150 s
+#   kernels        python benchmarks/kernels.py              -> kernels.log (JSON lines)  cap 50 s
+#   bench:
+#   lat_graphs     turnout bench latency, Qwen3-8B dummy bf16, batch 1, 128 in / 256 out, CUDA graphs  60 s
+#   lat_eager      the same with --enforce-eager                                                       35 s
+#   throughput     turnout bench throughput, 512 x (1024 in / 512 out)   (QUICK=1: 128 prompts)       90 s
+#   prefill        turnout bench latency, 8 x 2048 in / 1 out: prefill TFLOP/s                         35 s
+#   hf_peer        HF transformers on identical weights: batch-1 eager/static, throughput, greedy     100 s
+#   moe_b1         turnout bench latency, MOE_MODEL (Qwen3-30B-A3B dummy) batch 1, 128 in / 128 out     55 s
+#   moe_b64        the same at batch 64 (issue #6: >= 10x HF)                                          55 s
+#   hf_moe         HF on identical MoE weights: batch-1 eager, and one batch of 64 x (128 in / 128 out) 100 s
+# A peer runs in the same part as the benchmarks it is compared with, so each call's summary has its
+# ratios. After every step OUTDIR/summary.json is rewritten (benchmarks/gpu_suite_summary.py; it reads
+# the steps of every part found in OUTDIR), so a run cut short still leaves a summary.
 #
-# Environment: SUITE_BUDGET_S (default 540), MODEL (default qwen3-8b), PYTHON (default python),
+# Environment: SUITE_BUDGET_S (default 540 a call), MODEL (default qwen3-8b), PYTHON (default python),
 # MOE_MODEL (default benchmarks/configs/qwen3_30b_a3b.json; MOE_MODEL=none skips the MoE steps),
 # QUICK=1, COMPILE=1 (also HF static cache + torch.compile, last), SKIP="step step" to skip steps,
-# SMOKE=1 (tiny lengths and float32: checks the script itself on a CPU, with MODEL=a tiny config).
+# PYTEST_CAP (default 300), SMOKE=1 (tiny lengths and float32: checks the script itself on a CPU, with
+# MODEL=a tiny config).
 set -u
-OUT=${1:?usage: benchmarks/gpu_suite.sh OUTDIR}
+OUT=${1:?usage: benchmarks/gpu_suite.sh OUTDIR [tests|bench|all]}
+PART=${2:-all}
+case "$PART" in tests | bench | all) ;; *)
+  echo "benchmarks/gpu_suite.sh: unknown part '$PART' (tests, bench or all)" >&2
+  exit 2
+  ;;
+esac
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -43,7 +58,7 @@ fi
 BUDGET=${SUITE_BUDGET_S:-540}
 RESERVE=8 # seconds kept for the last summary
 START=$(date +%s)
-STEPS="$OUT/steps.jsonl"
+STEPS="$OUT/steps_$PART.jsonl"
 : >"$STEPS"
 
 summarize() { "$PY" benchmarks/gpu_suite_summary.py "$OUT" >/dev/null 2>>"$OUT/summary.log" || true; }
@@ -94,58 +109,66 @@ except Exception: info["pytest_timeout"] = False
 print(json.dumps(info))
 EOF
 
-# 1. GPU tests. Server tests need fastapi; their collection errors must not stop the rest.
-PT_TIMEOUT=()
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then PT_TIMEOUT=(--timeout 120); fi
-step pytest_gpu ${PYTEST_CAP:-150} "$PY" -m pytest -q -m gpu tests/ --maxfail=5 --continue-on-collection-errors -p no:cacheprovider \
-  ${PT_TIMEOUT[@]+"${PT_TIMEOUT[@]}"} --junitxml="$OUT/pytest_gpu.xml"
+tests_part() {
+  # 1. GPU tests. Server tests need fastapi; their collection errors must not stop the rest.
+  PT_TIMEOUT=()
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then PT_TIMEOUT=(--timeout 120); fi
+  step pytest_gpu ${PYTEST_CAP:-300} "$PY" -m pytest -q -m gpu tests/ --maxfail=5 --continue-on-collection-errors -p no:cacheprovider \
+    ${PT_TIMEOUT[@]+"${PT_TIMEOUT[@]}"} --junitxml="$OUT/pytest_gpu.xml"
 
-# 2. Conformance suite on CUDA (JSON on stdout).
-step ops_check 150 bash -c "exec \"$PY\" -m turnout.entrypoints.cli ops --check --json >\"$OUT/ops_check.json\""
+  # 2. Conformance suite on CUDA (JSON on stdout).
+  step ops_check 150 bash -c "exec \"$PY\" -m turnout.entrypoints.cli ops --check --json >\"$OUT/ops_check.json\""
 
-# 3. Kernel micro-benchmarks (another engineer's script; skipped when absent).
-if [[ -f benchmarks/kernels.py ]]; then
-  # KERNELS_ARGS replaces the defaults (the PyTorch reference peer is slow: skipped unless asked for).
-  step kernels 50 "$PY" benchmarks/kernels.py ${KERNELS_ARGS:---no-reference --json "$OUT/kernels.json"}
-else
-  printf '{"step":"kernels","status":"skipped","reason":"benchmarks/kernels.py not found"}\n' >>"$STEPS"
-fi
+  # 3. Kernel micro-benchmarks (another engineer's script; skipped when absent).
+  if [[ -f benchmarks/kernels.py ]]; then
+    # KERNELS_ARGS replaces the defaults (the PyTorch reference peer is slow: skipped unless asked for).
+    step kernels 50 "$PY" benchmarks/kernels.py ${KERNELS_ARGS:---no-reference --json "$OUT/kernels.json"}
+  else
+    printf '{"step":"kernels","status":"skipped","reason":"benchmarks/kernels.py not found"}\n' >>"$STEPS"
+  fi
+}
 
-BENCH=("$PY" -m turnout.entrypoints.bench_cmd --log-level INFO)
-# 4-5. Batch-1 latency, graphs on then off.
-step lat_graphs 75 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
-  --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" --num-iters 3 --output-json "$OUT/lat_graphs.json"
-step lat_eager 50 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
-  --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" --num-iters 2 --enforce-eager --output-json "$OUT/lat_eager.json"
+bench_part() {
+  BENCH=("$PY" -m turnout.entrypoints.bench_cmd --log-level INFO)
+  # 4-5. Batch-1 latency, graphs on then off.
+  step lat_graphs 60 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+    --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" --num-iters 3 --output-json "$OUT/lat_graphs.json"
+  step lat_eager 35 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+    --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" --num-iters 2 --enforce-eager --output-json "$OUT/lat_eager.json"
 
-# 6. Offline throughput.
-if [[ "$QUICK" == 1 ]]; then NUM_PROMPTS=${NUM_PROMPTS:-128}; else NUM_PROMPTS=${NUM_PROMPTS:-512}; fi
-step throughput 130 "${BENCH[@]}" throughput --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
-  --num-prompts "$NUM_PROMPTS" --input-len "$THR_IN" --output-len "$THR_OUT" --max-num-seqs 256 \
-  --max-num-batched-tokens 16384 --output-json "$OUT/throughput.json"
+  # 6. Offline throughput.
+  if [[ "$QUICK" == 1 ]]; then NUM_PROMPTS=${NUM_PROMPTS:-128}; else NUM_PROMPTS=${NUM_PROMPTS:-512}; fi
+  step throughput 90 "${BENCH[@]}" throughput --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+    --num-prompts "$NUM_PROMPTS" --input-len "$THR_IN" --output-len "$THR_OUT" --max-num-seqs 256 \
+    --max-num-batched-tokens 16384 --output-json "$OUT/throughput.json"
 
-# 7. Prefill of 8 x 2048 tokens in one step.
-step prefill 45 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
-  --batch-size "$PF_BATCH" --input-len "$PF_IN" --output-len 1 --num-iters 3 --max-num-batched-tokens 16384 \
-  --output-json "$OUT/prefill.json"
+  # 7. Prefill of 8 x 2048 tokens in one step.
+  step prefill 35 "${BENCH[@]}" latency --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+    --batch-size "$PF_BATCH" --input-len "$PF_IN" --output-len 1 --num-iters 3 --max-num-batched-tokens 16384 \
+    --output-json "$OUT/prefill.json"
 
-# 8. The HF peer on identical weights (whatever time is left, at most 150 s).
-if [[ "$QUICK" == 1 ]]; then HF_BATCH=${HF_BATCH:-32}; else HF_BATCH=${HF_BATCH:-128}; fi
-step hf_peer 150 "$PY" benchmarks/hf_peer.py --model "$MODEL" --dtype "$DTYPE" --input-len "$LAT_IN" --output-len "$LAT_OUT" \
-  --thr-num-prompts "$NUM_PROMPTS" --thr-input-len "$THR_IN" --thr-output-len "$THR_OUT" --max-batch "$HF_BATCH" \
-  --compare-turnout "$CMP_TOKENS" $([[ "${COMPILE:-0}" == 1 ]] && echo --compile) --output-json "$OUT/hf_peer.json"
+  # 8. The HF peer on identical weights (at most 100 s).
+  if [[ "$QUICK" == 1 ]]; then HF_BATCH=${HF_BATCH:-32}; else HF_BATCH=${HF_BATCH:-128}; fi
+  step hf_peer 100 "$PY" benchmarks/hf_peer.py --model "$MODEL" --dtype "$DTYPE" --input-len "$LAT_IN" --output-len "$LAT_OUT" \
+    --thr-num-prompts "$NUM_PROMPTS" --thr-input-len "$THR_IN" --thr-output-len "$THR_OUT" --max-batch "$HF_BATCH" \
+    --compare-turnout "$CMP_TOKENS" $([[ "${COMPILE:-0}" == 1 ]] && echo --compile) --output-json "$OUT/hf_peer.json"
 
-# 9-11. MoE: batch 1 and batch 64 decode, then the HF peer on identical weights.
-if [[ "$MOE_MODEL" != none ]]; then
-  step moe_b1 60 "${BENCH[@]}" latency --model "$MOE_MODEL" --load-format dummy --dtype "$DTYPE" \
-    --batch-size 1 --input-len "$MOE_IN" --output-len "$MOE_OUT" --num-iters 3 --output-json "$OUT/moe_b1.json"
-  step moe_b64 60 "${BENCH[@]}" latency --model "$MOE_MODEL" --load-format dummy --dtype "$DTYPE" \
-    --batch-size "$MOE_BATCH" --input-len "$MOE_IN" --output-len "$MOE_OUT" --num-iters 2 --output-json "$OUT/moe_b64.json"
-  step hf_moe 120 "$PY" benchmarks/hf_peer.py --model "$MOE_MODEL" --dtype "$DTYPE" --modes eager \
-    --input-len "$MOE_IN" --output-len "$MOE_OUT" --thr-num-prompts "$MOE_BATCH" --thr-input-len "$MOE_IN" \
-    --thr-output-len "$MOE_OUT" --max-batch "$MOE_BATCH" --output-json "$OUT/hf_moe.json"
-fi
+  # 9-11. MoE: batch 1 and batch 64 decode, then the HF peer on identical weights.
+  if [[ "$MOE_MODEL" != none ]]; then
+    step moe_b1 55 "${BENCH[@]}" latency --model "$MOE_MODEL" --load-format dummy --dtype "$DTYPE" \
+      --batch-size 1 --input-len "$MOE_IN" --output-len "$MOE_OUT" --num-iters 3 --output-json "$OUT/moe_b1.json"
+    step moe_b64 55 "${BENCH[@]}" latency --model "$MOE_MODEL" --load-format dummy --dtype "$DTYPE" \
+      --batch-size "$MOE_BATCH" --input-len "$MOE_IN" --output-len "$MOE_OUT" --num-iters 2 --output-json "$OUT/moe_b64.json"
+    step hf_moe 100 "$PY" benchmarks/hf_peer.py --model "$MOE_MODEL" --dtype "$DTYPE" --modes eager \
+      --input-len "$MOE_IN" --output-len "$MOE_OUT" --thr-num-prompts "$MOE_BATCH" --thr-input-len "$MOE_IN" \
+      --thr-output-len "$MOE_OUT" --max-batch "$MOE_BATCH" --output-json "$OUT/hf_moe.json"
+  fi
+}
+
+echo "[gpu_suite] part $PART, budget ${BUDGET}s" >&2
+if [[ "$PART" == tests || "$PART" == all ]]; then tests_part; fi
+if [[ "$PART" == bench || "$PART" == all ]]; then bench_part; fi
 
 summarize
-echo "[gpu_suite] done in $(($(date +%s) - START))s: $OUT/summary.json" >&2
+echo "[gpu_suite] $PART done in $(($(date +%s) - START))s: $OUT/summary.json" >&2
 cat "$OUT/summary.json" 2>/dev/null | head -c 20000

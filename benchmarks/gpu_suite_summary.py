@@ -27,17 +27,24 @@ def _load_json(path: str, problems: dict):
         return None
 
 
+STEP_FILES = ("steps.jsonl", "steps_tests.jsonl", "steps_bench.jsonl", "steps_all.jsonl")  # one per part
+
+
 def _steps(out: str, problems: dict) -> list[dict]:
+    """Every part's steps found in ``out`` (both parts may share one OUTDIR), each tagged with its part."""
     steps = []
-    path = os.path.join(out, "steps.jsonl")
-    if os.path.exists(path):
+    for name in STEP_FILES:
+        path = os.path.join(out, name)
+        if not os.path.exists(path):
+            continue
+        part = name[len("steps_"):-len(".jsonl")] if name != "steps.jsonl" else None
         for line in open(path):
             line = line.strip()
             if line:
                 try:
-                    steps.append(json.loads(line))
+                    steps.append({**json.loads(line), **({"part": part} if part else {})})
                 except json.JSONDecodeError as e:
-                    problems["steps.jsonl"] = str(e)
+                    problems[name] = str(e)
     return steps
 
 
