@@ -322,17 +322,15 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out
 
 
-def _decode_splits(num_splits: int | None, max_query_len: int) -> int | None:
-    """The policy's split count applies to decode only: prefill is never split."""
-    return num_splits if max_query_len <= _SPLIT_MAX_Q else None
-
-
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, *, num_splits: int | None = None) -> torch.Tensor:
-    """``num_splits`` (the policy's ``paged_attention.num_splits``, bound once by the op table): None chooses."""
+    """``num_splits`` (the policy's ``paged_attention.num_splits``, bound once by the op table): None chooses;
+    it applies to decode only (prefill is never split)."""
+    if max_query_len > _SPLIT_MAX_Q:
+        num_splits = None
     return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                max_seq_len, scale, num_splits=_decode_splits(num_splits, max_query_len))
+                                max_seq_len, scale, num_splits=num_splits)
 
 
 def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

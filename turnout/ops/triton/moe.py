@@ -182,16 +182,16 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
+    if kernel == "auto":  # the measured default
+        if use_decode(num_tokens, top_k, num_experts):
+            return moe_experts_decode(hidden, w13, w2, topk_weights, topk_ids)
+        return moe_experts_grouped(hidden, w13, w2, topk_weights, topk_ids)
     if kernel == "grouped":
         return moe_experts_grouped(hidden, w13, w2, topk_weights, topk_ids)
     if kernel == "decode":  # the decode kernels at every T, per-slot down kernel and slot sum
         config = replace(moe_decode._env_config(), one_token=0)
         return moe_experts_decode(hidden, w13, w2, topk_weights, topk_ids, config=config)
-    if kernel != "auto":
-        raise ValueError(f"moe_experts: kernel must be auto, grouped or decode, got {kernel!r}")
-    if use_decode(num_tokens, top_k, num_experts):
-        return moe_experts_decode(hidden, w13, w2, topk_weights, topk_ids)
-    return moe_experts_grouped(hidden, w13, w2, topk_weights, topk_ids)
+    raise ValueError(f"moe_experts: kernel must be auto, grouped or decode, got {kernel!r}")
 
 
 def moe_experts_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
