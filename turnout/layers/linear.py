@@ -5,9 +5,11 @@ walker in ``turnout.models.weight_map`` calls it with each checkpoint tensor. Pa
 (``QKVParallelLinear``, ``MergedColumnParallelLinear``) also carry ``param.shard_ids``, the shards the
 walker must see before the parameter counts as loaded.
 
-Tensor parallelism: the loaders already take this rank's slice of a full checkpoint tensor
-(``tp_rank`` of ``tp_size``; column layers split the output dim, row layers the input dim). Only
-``tp_size=1`` runs today; the all-reduce after a row layer is the distributed layer's job.
+Tensor parallelism (``tp``: this rank's ``TPGroup``, turnout/distributed): each loader takes this rank's
+slice of a full checkpoint tensor (column layers split the output dim, row layers the input dim, packed
+layers each packed part: rank r holds its share of q, of k, of v, of gate, of up). A row-parallel layer sums
+its partial products with ``ops.all_reduce`` over the group. In a world of one (``SINGLE``, the default)
+nothing is split and no collective is called: the layers are exactly the single-device ones.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.weights import check_shape as _check_shape
 from turnout.layers.weights import default_weight_loader
@@ -51,11 +54,12 @@ class LinearBase(nn.Module):
     ``plan.one_row_linear`` one-row inputs go through ``ops.small_m_linear``, and the layer takes a pending
     pre-norm into its own kernel where ``plan.fuses_prenorm`` says so for its weight shape."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0, tp_size: int = 1, *,
-                 ops=None, plan: FusionPlan = NO_FUSIONS):
+    def __init__(self, input_size: int, output_size: int, bias: bool, *, tp: TPGroup = SINGLE, ops=None,
+                 plan: FusionPlan = NO_FUSIONS):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.weight = _param(*self.local_shape(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -91,6 +95,9 @@ def one_row_path(ops, plan: FusionPlan, n: int, k: int):
 class ReplicatedLinear(LinearBase):
     """The full weight on every rank (small projections, routers)."""
 
+    def local_shape(self, out, inp):  # whole on every rank, whatever its group
+        return out, inp
+
 
 def _split(size: int, tp_size: int, what: str) -> int:
     if size % tp_size:
@@ -114,7 +121,16 @@ class ColumnParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input dim split across ranks; partial sums are reduced by the caller. Bias is whole."""
+    """Input dim split across ranks; the partial products are summed over the group (``ops.all_reduce``) unless
+    ``reduce_results=False`` (a caller that reduces later itself). Bias is whole, added once (rank 0)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, *, tp: TPGroup = SINGLE, ops=None,
+                 plan: FusionPlan = NO_FUSIONS, reduce_results: bool = True):
+        super().__init__(input_size, output_size, bias, tp=tp, ops=ops, plan=plan)
+        # Decided here, once: in a world of one the forward is the plain projection, no collective call.
+        self.reduce_ops = ops if reduce_results and tp.size > 1 else None
+        if reduce_results and tp.size > 1 and ops is None:
+            raise ValueError("a row-parallel linear over several ranks needs the op table (ops=...)")
 
     def local_shape(self, out, inp):
         return out, _split(inp, self.tp_size, "input size")
@@ -130,23 +146,38 @@ class RowParallelLinear(LinearBase):
     def forward(self, x):
         # With tp_size > 1 only rank 0 adds the bias, so the reduced sum carries it once.
         bias = self.bias if self.tp_rank == 0 else None
-        return project(x, self.weight, bias, self.one_row_ops, self.takes_norm)
+        y = project(x, self.weight, bias, self.one_row_ops, self.takes_norm)
+        if self.reduce_ops is not None:
+            y = self.reduce_ops.all_reduce(y, self.tp.group)  # [T, out], summed over the ranks, in place
+        return y
 
 
 class _PackedColumnLinear(ColumnParallelLinear):
-    """Several column projections stored as one weight; each checkpoint shard loads into its rows."""
+    """Several column projections stored as one weight; each checkpoint shard loads into its rows.
 
-    def __init__(self, input_size: int, shard_sizes: dict, bias: bool, tp_rank: int = 0, tp_size: int = 1, *,
-                 ops=None, plan: FusionPlan = NO_FUSIONS):
+    Under tensor parallelism every packed part is split on its own (rank r holds its share of each part,
+    back to back), so that a rank's q, k and v, or gate and up, stay adjacent in its local weight."""
+
+    def __init__(self, input_size: int, shard_sizes: dict, bias: bool, *, tp: TPGroup = SINGLE, ops=None,
+                 plan: FusionPlan = NO_FUSIONS):
         self.shard_sizes = dict(shard_sizes)  # shard id -> full (all ranks) output size
-        super().__init__(input_size, sum(self.shard_sizes.values()), bias, tp_rank, tp_size, ops=ops, plan=plan)
-        self.shard_offsets, off = {}, 0  # shard id -> (local offset, local size)
+        self.shard_offsets, self.shard_starts, off = {}, {}, 0  # shard id -> (local offset, local size); source row
         for sid, size in self.shard_sizes.items():
-            local = _split(size, tp_size, f"shard {sid!r} size")
+            start, local = self.shard_slice(sid, size, tp)
             self.shard_offsets[sid] = (off, local)
+            self.shard_starts[sid] = start
             off += local
+        super().__init__(input_size, sum(self.shard_sizes.values()), bias, tp=tp, ops=ops, plan=plan)
         for p in self.parameters(recurse=False):
             p.shard_ids = tuple(self.shard_sizes)
+
+    def shard_slice(self, sid, size: int, tp: TPGroup) -> tuple[int, int]:
+        """(first row of the full part ``sid`` this rank holds, how many rows)."""
+        local = _split(size, tp.size, f"shard {sid!r} size")
+        return tp.rank * local, local
+
+    def local_shape(self, out, inp):
+        return sum(size for _, size in self.shard_offsets.values()), inp
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         if shard_id is None:  # a checkpoint that already stores the packed tensor
@@ -161,31 +192,49 @@ class _PackedColumnLinear(ColumnParallelLinear):
             raise ValueError(f"shape mismatch for shard {shard_id!r}: checkpoint tensor "
                              f"{tuple(loaded_weight.shape)}, parameter expects "
                              f"{(full, *param.shape[1:])}")
-        param.data.narrow(0, off, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        param.data.narrow(0, off, size).copy_(loaded_weight.narrow(0, self.shard_starts[shard_id], size))
 
 
 class MergedColumnParallelLinear(_PackedColumnLinear):
     """Projections of sizes ``output_sizes`` from the same input, shards 0, 1, ... (e.g. gate_up_proj)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1, *, ops=None, plan: FusionPlan = NO_FUSIONS):
-        super().__init__(input_size, dict(enumerate(output_sizes)), bias, tp_rank, tp_size, ops=ops, plan=plan)
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, tp: TPGroup = SINGLE,
+                 ops=None, plan: FusionPlan = NO_FUSIONS):
+        super().__init__(input_size, dict(enumerate(output_sizes)), bias, tp=tp, ops=ops, plan=plan)
+
+
+def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
+    """KV heads a rank holds: its share, or one replicated head when there are more ranks than kv heads."""
+    if tp_size <= total_num_kv_heads:
+        return _split(total_num_kv_heads, tp_size, "num_kv_heads")
+    if tp_size % total_num_kv_heads:
+        raise ValueError(f"tensor-parallel size {tp_size} is neither a divisor nor a multiple of num_kv_heads "
+                         f"{total_num_kv_heads}")
+    return 1
 
 
 class QKVParallelLinear(_PackedColumnLinear):
     """Fused q/k/v projection, shards "q", "k", "v"; output [T, (Hq + 2 Hk) * D] on one rank.
 
-    With more ranks than kv heads a real TP build replicates kv heads; that is not supported yet.
+    Under TP each rank holds Hq / tp query heads and Hk / tp kv heads; with more ranks than kv heads
+    (tp a multiple of Hk) each rank holds one kv head, replicated on tp / Hk ranks: rank r the head
+    r // (tp / Hk), which is the kv head its query heads attend with in the full model.
     """
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1, *, ops=None, plan: FusionPlan = NO_FUSIONS):
+                 bias: bool = False, *, tp: TPGroup = SINGLE, ops=None, plan: FusionPlan = NO_FUSIONS):
         self.head_dim = head_dim
-        self.num_heads = _split(total_num_heads, tp_size, "num_heads")
-        self.num_kv_heads = _split(total_num_kv_heads, tp_size, "num_kv_heads")
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = _split(total_num_heads, tp.size, "num_heads")
+        self.num_kv_heads = kv_heads_per_rank(total_num_kv_heads, tp.size)
         super().__init__(hidden_size, {"q": total_num_heads * head_dim, "k": total_num_kv_heads * head_dim,
-                                       "v": total_num_kv_heads * head_dim}, bias, tp_rank, tp_size, ops=ops,
-                         plan=plan)
+                                       "v": total_num_kv_heads * head_dim}, bias, tp=tp, ops=ops, plan=plan)
+
+    def shard_slice(self, sid, size, tp):
+        if sid == "q" or tp.size <= self.total_num_kv_heads:
+            return super().shard_slice(sid, size, tp)
+        replicas = tp.size // self.total_num_kv_heads
+        return (tp.rank // replicas) * self.head_dim, self.head_dim
 
     @property
     def q_size(self) -> int:

@@ -165,14 +165,17 @@ class _Progress:
 
 
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str | torch.dtype = "auto",
-               device: torch.device | str = "cpu", ops, seed: int = 0, tokenizer=None, plan=None) -> LoadedModel:
+               device: torch.device | str = "cpu", ops, seed: int = 0, tokenizer=None, plan=None,
+               tp=None) -> LoadedModel:
     """Build the model for ``model`` on ``device`` with weights from its checkpoint.
 
     ``load_format``: "auto" (by what ``model`` is), "safetensors", "gguf", or "dummy" (random weights
     from ``seed``; only the config is read, so a directory with just config.json will do; a
     ``transformers.PretrainedConfig`` may also be passed as ``model``). ``tokenizer``: None (the
     model's own, or None if it ships none), a path/Hub id, or a tokenizer object. ``plan``: the fusion plan
-    the model is built with (turnout/layers/fusion.py; None: no fused decode kernels).
+    the model is built with (turnout/layers/fusion.py; None: no fused decode kernels). ``tp``: this rank's
+    ``turnout.distributed.TPGroup`` (None: one device): the model is built as this rank's shard and each
+    checkpoint tensor loads its slice.
     """
     from transformers import PretrainedConfig
 
@@ -210,7 +213,12 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         cls = get_model_class(getattr(hf_config, "architectures", None))
         torch_dtype = resolve_dtype(dtype, hf_config, device)
         with _default_dtype(torch_dtype), device:
-            net = cls(hf_config, ops) if plan is None else cls(hf_config, ops, plan)  # plan: turnout/layers/fusion.py
+            if tp is not None and tp.size > 1:
+                from turnout.layers.fusion import NO_FUSIONS
+
+                net = cls(hf_config, ops, NO_FUSIONS if plan is None else plan, tp)
+            else:
+                net = cls(hf_config, ops) if plan is None else cls(hf_config, ops, plan)  # plan: turnout/layers/fusion.py
         net.eval()
         if load_format == "dummy":
             from turnout.loader.dummy import init_dummy_weights

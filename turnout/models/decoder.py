@@ -17,6 +17,15 @@ A model family is a subclass that sets a few class attributes:
 ``plan`` is the fusion plan (turnout/layers/fusion.py): which fused decode kernels the layers use, fixed
 when the model is built; pass it on to every block and projection.
 
+``tp`` (turnout/distributed: this rank's ``TPGroup``, default ``SINGLE``) makes the model this rank's shard:
+attention heads and kv heads split per rank (kv heads replicated when tp > num_kv_heads), the MLP's
+intermediate dim split, the vocabulary split (embedding and head), and each checkpoint tensor loads its
+slice through the same declarative map. A hook reads it as ``self.tp``. Every fusion of the plan applies to a
+shard unchanged: a one-row projection is one on its rows, a pre-norm is computed by the column-parallel
+projection that reads it (its input is whole on every rank, so each rank computes the same norm), and
+rope / the cache write / attention work per head. A family whose blocks cannot be split yet sets
+``supports_tensor_parallel = False`` and refuses tp > 1.
+
 Parameter names follow HF's (``model.layers.{i}.self_attn.qkv_proj`` packs ``q_proj``/``k_proj``/
 ``v_proj``; ``mlp.gate_up_proj`` packs ``gate_proj``/``up_proj``), so checkpoints load through the map.
 """
@@ -28,11 +37,12 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.attention import Attention, AttentionMetadata
 from turnout.layers.embedding import LMHead, VocabEmbedding
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
-from turnout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from turnout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, kv_heads_per_rank
 from turnout.layers.norm import PendingNorm, RMSNorm
 from turnout.layers.rotary import RotaryEmbedding, get_rope
 from turnout.models.weight_map import load_weights
@@ -46,15 +56,16 @@ class DenseMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into ``gate_up_proj``."""
 
     def __init__(self, config, ops, intermediate_size: int | None = None, bias: bool | None = None,
-                 plan: FusionPlan = NO_FUSIONS):
+                 plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
         bias = getattr(config, "mlp_bias", False) if bias is None else bias
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, ops=ops, plan=plan)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, ops=ops, plan=plan)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, tp=tp, ops=ops,
+                                                       plan=plan)  # [T, 2 I / tp]: this rank's gate, then its up
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, tp=tp, ops=ops, plan=plan)
         self.act_fn = SiluAndMul(ops)
 
     takes_pending_norm = True  # gate_up_proj may compute the layer's pre-norm (PendingNorm)
@@ -67,14 +78,15 @@ class DecoderAttention(nn.Module):
     """qkv projection, optional per-head q/k norm, rope, paged attention, output projection."""
 
     def __init__(self, config, ops, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 plan: FusionPlan = NO_FUSIONS):
+                 plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                                          bias=qkv_bias, ops=ops, plan=plan)
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias, ops=ops,
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads,
+                                          bias=qkv_bias, tp=tp, ops=ops, plan=plan)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias, tp=tp, ops=ops,
                                         plan=plan)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
@@ -151,7 +163,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config, ops, family: "DecoderForCausalLM", plan: FusionPlan = NO_FUSIONS):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=family.tp, ops=ops)
         rotary = get_rope(config, head_dim_of(config), config.max_position_embeddings, ops,
                           is_neox=family.rope_is_neox)  # one cos/sin cache shared by every layer
         self.layers = nn.ModuleList(
@@ -181,16 +193,23 @@ class DecoderForCausalLM(nn.Module):
     }
     weight_name_rules: list = []
     ignored_weights: tuple[str, ...] = ()
+    supports_tensor_parallel: bool = True
 
-    def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS):
+    def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE):
         super().__init__()
+        if tp.size > 1 and not self.supports_tensor_parallel:
+            raise ValueError(f"tensor_parallel_size {tp.size}: {type(self).__name__} does not support tensor "
+                             "parallelism yet (its expert blocks are not split); use tensor_parallel_size 1")
         self.config = config
         self.ops = ops
         self.plan = plan
+        self.tp = tp  # read by the hooks below while the layers are built
+        total_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.kv_heads_per_rank = kv_heads_per_rank(total_kv, tp.size)  # the KV cache of this rank: [.., Hk_local, D]
         self.model = DecoderModel(config, ops, self, plan)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                              tie_to=self.model.embed_tokens if tied else None, ops=ops, plan=plan)
+                              tie_to=self.model.embed_tokens if tied else None, tp=tp, ops=ops, plan=plan)
         if tied:  # some tied checkpoints still store the head; it is the embedding, so drop it
             self.ignored_weights = (*type(self).ignored_weights, r"^lm_head\.weight$")
 
@@ -200,10 +219,10 @@ class DecoderForCausalLM(nn.Module):
         return DecoderAttention(config, ops, rotary,
                                 qkv_bias=bias if self.qkv_bias is None else self.qkv_bias,
                                 o_bias=bias if self.o_bias is None else self.o_bias,
-                                qk_norm=self.qk_norm, plan=plan)
+                                qk_norm=self.qk_norm, plan=plan, tp=self.tp)
 
     def make_mlp(self, config, layer_idx: int, ops, plan: FusionPlan = NO_FUSIONS) -> nn.Module:
-        return DenseMLP(config, ops, plan=plan)
+        return DenseMLP(config, ops, plan=plan, tp=self.tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

@@ -6,6 +6,7 @@ optional per-head q/k norm (``use_qk_norm``), rope on the first ``partial_rotary
 not part of the causal LM and are skipped.
 """
 
+from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.moe.experts import expert_weight_rules
 from turnout.layers.moe.layer import SparseMoeBlock, is_moe_layer
@@ -14,11 +15,12 @@ from turnout.models.decoder import DecoderAttention, DecoderForCausalLM, DenseML
 
 
 class Glm4MoeForCausalLM(DecoderForCausalLM):
+    supports_tensor_parallel = False  # the expert blocks (turnout/layers/moe) are not split per rank yet
     o_bias = False
     weight_name_rules = expert_weight_rules()
 
-    def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS):
-        super().__init__(config, ops, plan)
+    def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE):
+        super().__init__(config, ops, plan, tp)
         first = config.num_hidden_layers
         mtp = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
         if mtp:

@@ -13,6 +13,7 @@ from turnout.models.decoder import DecoderForCausalLM
 
 
 class MixtralForCausalLM(DecoderForCausalLM):
+    supports_tensor_parallel = False  # the expert blocks (turnout/layers/moe) are not split per rank yet
     weight_name_rules = [
         *expert_weight_rules(module=r"block_sparse_moe\.experts", names={"w1": "gate", "w3": "up", "w2": "down"}),
         (r"(^|\.)block_sparse_moe\.gate\.weight$", r"\g<1>mlp.gate.weight", None),

@@ -9,6 +9,7 @@ from turnout.models.decoder import DecoderForCausalLM, DenseMLP
 
 
 class Qwen2MoeForCausalLM(DecoderForCausalLM):
+    supports_tensor_parallel = False  # the expert blocks (turnout/layers/moe) are not split per rank yet
     qkv_bias = True
     o_bias = False
     weight_name_rules = expert_weight_rules()

@@ -12,6 +12,7 @@ from turnout.models.decoder import DecoderForCausalLM, DenseMLP
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    supports_tensor_parallel = False  # the expert blocks (turnout/layers/moe) are not split per rank yet
     qk_norm = True
     weight_name_rules = expert_weight_rules()
 

@@ -53,11 +53,11 @@ def all_gather(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
     if world == 1:
         return x.clone()
     dim = dim % x.dim()
-    out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)  # [W, ...x]
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # ranks along dim 0
     dist.all_gather_single(out, x.contiguous(), group=group)
     if dim == 0:
-        return out.view(world * x.shape[0], *x.shape[1:])
-    out = out.movedim(0, dim)  # [..., W, n, ...]
+        return out
+    out = out.view(world, *x.shape).movedim(0, dim)  # [..., W, n, ...]
     return out.reshape(*x.shape[:dim], world * x.shape[dim], *x.shape[dim + 1:])
 
 
