@@ -92,8 +92,8 @@ def test_back_to_back_steps_never_read_a_rewritten_buffer(vocab):
     stage = BitmaskStage(vocab, max_rows=8, device=DEV, threads=None)
     g = torch.Generator().manual_seed(1)
     words = (vocab + 31) // 32
-    outs, wants = [], []
-    for step in range(12 if DEV == "cuda" else 3):
+    steps = []
+    for step in range(12 if DEV == "cuda" else 3):  # made first: the loop below must outrun the device
         masks = random_bitmask(8, vocab, words, g, 0.5)
         lanes = [i for i in range(8) if (i + step) % 3]
         logits = torch.randn(8, vocab, generator=g)
@@ -101,12 +101,14 @@ def test_back_to_back_steps_never_read_a_rewritten_buffer(vocab):
         full = torch.full_like(masks, -1)
         full[lanes] = masks[lanes]
         apply_token_bitmask(want, full)
-        dev = logits.to(DEV)
+        steps.append((logits.to(DEV), [(i, Scripted(masks[i])) for i in lanes], want))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    for dev, grammars, _ in steps:
         if DEV == "cuda":
-            torch.cuda._sleep(5_000_000)  # hold the stream: the host runs steps ahead of the copies
-        assert not stage.apply(table, dev, [(i, Scripted(masks[i])) for i in lanes])
-        outs.append(dev)
-        wants.append(want)
+            torch.cuda._sleep(20_000_000)  # hold the stream: the host runs steps ahead of the copies
+        assert not stage.apply(table, dev, grammars)
+    outs, wants = [d for d, _, _ in steps], [w for _, _, w in steps]
     for got, want in zip(outs, wants):
         assert torch.equal(got.cpu(), want)
 
