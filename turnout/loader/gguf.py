@@ -162,7 +162,7 @@ def iter_gguf_weights(path: str | Path, hf_config, reader=None) -> Iterator[tupl
 
 
 def tensor_count(reader) -> int:
-    """How many (HF name, tensor) pairs ``iter_gguf_weights`` yields (stacked experts count once each)."""
+    """How many (HF name, tensor) pairs ``iter_gguf_weights`` yields (a stacked expert tensor: one per expert)."""
     n = 0
     for t in reader.tensors:
         n += int(t.data.shape[0]) if "_exps." in t.name else int(t.name not in HARMLESS_UNMAPPED)
