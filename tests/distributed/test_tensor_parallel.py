@@ -35,6 +35,8 @@ def _config(kind: str):
     if kind == "llama":  # one kv head on two ranks: replicated; tied head; biases everywhere
         return transformers.LlamaConfig(**common, vocab_size=256, num_key_value_heads=1, tie_word_embeddings=True,
                                         attention_bias=True, mlp_bias=True)
+    if kind == "llama-kv2":  # two kv heads on four ranks: each rank holds one, rank r the head r // 2
+        return transformers.LlamaConfig(**common, vocab_size=256, num_key_value_heads=2, tie_word_embeddings=False)
     if kind == "qwen2":  # biased q/k/v; a vocabulary of 251 rows splits as 126 + 125 (+1 padding row)
         return transformers.Qwen2Config(**common, vocab_size=251, num_key_value_heads=2, tie_word_embeddings=False)
     if kind == "qwen3":  # q/k norms, head_dim 32 != 64 / 4
@@ -69,29 +71,50 @@ def world_results(tmp_path_factory):
         _save_random(kind, path, seed)
         cases.append((kind, str(path), _prompts(_config(kind).vocab_size, [5, 17, 9], seed), STEPS, False))
     cases.append(("qwen3-fused-batch1", str(root / "qwen3"), _prompts(256, [11], 7), STEPS, True))
-    outdir = root / "out"
-    outdir.mkdir()
-    ctx = mp.spawn(tp_ranks.rank_main, args=(WORLD, free_port(), cases, str(outdir)), nprocs=WORLD, join=False)
     torch.set_num_threads(1)
     ops = resolve(detect_platform("cpu"))
+    ranks = _run_world(WORLD, cases, root / "out", lambda: None)
     single = {name: tp_ranks.run_case(path, prompts, steps, ops) for name, path, prompts, steps, _ in cases}
-    while not ctx.join(timeout=120):
-        pass
-    ranks = [torch.load(outdir / f"rank{r}.pt") for r in range(WORLD)]
     return single, ranks
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "qwen3-fused-batch1"])
-def test_tp2_matches_tp1(world_results, name):
-    single, ranks = world_results
-    ref_logits, ref_tokens = single[name]
-    assert ref_logits.shape[-1] == (251 if name == "qwen2" else 256)
+def _run_world(world: int, cases, outdir, meanwhile):
+    """Spawn ``world`` ranks over ``cases``; runs ``meanwhile()`` here while they work; each rank's results."""
+    outdir.mkdir()
+    ctx = mp.spawn(tp_ranks.rank_main, args=(world, free_port(), cases, str(outdir)), nprocs=world, join=False)
+    meanwhile()
+    while not ctx.join(timeout=120):
+        pass
+    return [torch.load(outdir / f"rank{r}.pt") for r in range(world)]
+
+
+def _assert_matches(name, ref, ranks):
+    ref_logits, ref_tokens = ref
     for r, result in enumerate(ranks):
         logits, tokens = result["cases"][name]
         assert logits.shape == ref_logits.shape, f"rank {r}"
         rel = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
         assert rel < 1e-5, f"rank {r}: logits differ from TP=1 by {rel:.3g} (relative)"
         assert torch.equal(tokens, ref_tokens), f"rank {r}: greedy tokens differ from TP=1"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "qwen3-fused-batch1"])
+def test_tp2_matches_tp1(world_results, name):
+    single, ranks = world_results
+    assert single[name][0].shape[-1] == (251 if name == "qwen2" else 256)
+    _assert_matches(name, single[name], ranks)
+
+
+def test_tp4_replicates_distinct_kv_heads(tmp_path):
+    """Four ranks, two kv heads: ranks 0, 1 hold kv head 0 and ranks 2, 3 kv head 1 (a wrong pick of head
+    shows in the logits); every dim split four ways."""
+    _save_random("llama-kv2", tmp_path / "m", 5)
+    cases = [("llama-kv2", str(tmp_path / "m"), _prompts(256, [6, 13], 5), 2, False)]
+    torch.set_num_threads(1)
+    single = {}
+    ranks = _run_world(4, cases, tmp_path / "out", lambda: single.update(
+        ref=tp_ranks.run_case(*cases[0][1:4], resolve(detect_platform("cpu")))))
+    _assert_matches("llama-kv2", single["ref"], ranks)
 
 
 def test_collectives_over_gloo(world_results):

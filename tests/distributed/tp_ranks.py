@@ -81,7 +81,7 @@ def run_case(path: str, prompts, steps: int, ops, tp=None, fused: bool = False):
 def check_collectives(ops, tp) -> dict:
     """Each collective op over the world against the same arithmetic done here on every rank's input."""
     world, rank = tp.size, tp.rank
-    inputs = [torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    inputs = [torch.randn(4 * world, 2 * world, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
     mine = inputs[rank]
     out = {}
     x = mine.clone()
