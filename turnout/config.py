@@ -34,6 +34,10 @@ class EngineConfig:
     # sequences per step (or as many as the largest other request, if more), round-robin among them, so
     # an n=128 request cannot make everyone's steps slow (engine/scheduler.py). None: no cap.
     fair_share_seqs: int | None = 16
+    # Tensor parallelism: the model split over this many ranks (devices) of this machine; the executor
+    # (turnout/executor) runs them: uniproc for one rank, mp (a process per rank) for several.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: uniproc for one rank, mp for several
 
     def __post_init__(self):
         def bad(field, why):
@@ -58,5 +62,12 @@ class EngineConfig:
             bad("max_tokens_per_request", f"must be a positive integer or None, got {self.max_tokens_per_request!r}")
         if self.fair_share_seqs is not None and (not isinstance(self.fair_share_seqs, int) or self.fair_share_seqs < 1):
             bad("fair_share_seqs", f"must be a positive integer or None, got {self.fair_share_seqs!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", f"must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in (None, "uniproc", "mp"):
+            bad("distributed_executor_backend", f"unknown backend {self.distributed_executor_backend!r} (uniproc, mp)")
+        if self.distributed_executor_backend == "uniproc" and self.tensor_parallel_size != 1:
+            bad("distributed_executor_backend", f"uniproc runs one rank, but tensor_parallel_size is "
+                f"{self.tensor_parallel_size}; use mp")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             bad("load_format", f"unknown load format {self.load_format!r} (auto, safetensors, gguf, dummy)")

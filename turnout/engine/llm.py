@@ -18,14 +18,17 @@ class LLM:
                  enable_prefix_caching: bool = True, load_format: str = "auto", seed: int = 0,
                  ops_policy: str | None = None, block_size: int = 16, enforce_eager: bool = False,
                  tokenizer: str | None = None, async_scheduling: bool | None = None,
-                 max_tokens_per_request: int | None = None, fair_share_seqs: int | None = 16):
+                 max_tokens_per_request: int | None = None, fair_share_seqs: int | None = 16,
+                 tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None):
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                                    enable_prefix_caching=enable_prefix_caching, load_format=load_format, seed=seed,
                                    ops_policy=ops_policy, block_size=block_size, enforce_eager=enforce_eager,
                                    tokenizer=tokenizer, async_scheduling=async_scheduling,
-                                   max_tokens_per_request=max_tokens_per_request, fair_share_seqs=fair_share_seqs)
+                                   max_tokens_per_request=max_tokens_per_request, fair_share_seqs=fair_share_seqs,
+                                   tensor_parallel_size=tensor_parallel_size,
+                                   distributed_executor_backend=distributed_executor_backend)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

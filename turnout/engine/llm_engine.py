@@ -54,10 +54,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         import torch
 
-        from turnout.engine.model_runner import ModelRunner
+        from turnout.executor import make_executor
         from turnout.kv.block_manager import BlockManager
-        from turnout.layers.fusion import plan_fusions
-        from turnout.loader import load_model
         from turnout.ops import Policy, log_table, resolve
         from turnout.platforms import detect_platform
 
@@ -67,15 +65,15 @@ class LLMEngine:
         self.ops = resolve(self.platform, Policy.from_sources(config.ops_policy, platform=self.platform))
         log_table(self.ops, logger)
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, load_format=config.load_format, dtype=config.dtype,
-                            device=self.platform.device(0 if self.platform.is_gpu else None), ops=self.ops,
-                            seed=config.seed, tokenizer=config.tokenizer, plan=plan_fusions(self.ops))
+        # The executor loads the model (its shard on every rank) and builds each rank's model runner.
+        self.executor = make_executor(config, self.platform, self.ops)
+        loaded = self.executor.loaded
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.model_name = config.served_model_name or _display_name(config.model, loaded)
         self.max_model_len = _context_limit(config.max_model_len, loaded)
-        self.runner = ModelRunner(config, self.platform, self.ops, loaded)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = self.executor.runner  # rank 0's ModelRunner: the core drives it
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(self.block_manager, config.max_num_seqs, max(config.max_num_batched_tokens, 1),
                               self.max_model_len, fair_share_seqs=config.fair_share_seqs)
         self.eos_ids = self._eos_ids()

@@ -48,6 +48,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = self.hf_config.vocab_size
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(self.hf_config)
+        # A tensor-parallel shard caches its own kv heads only (turnout/models/decoder.py).
+        self.num_kv_heads = getattr(self.model, "kv_heads_per_rank", self.num_kv_heads)
+        # The mp executor's StepPublisher (turnout/executor/multiproc.py): this rank drives the others; None
+        # in a world of one.
+        self.step_publisher = None
         if self.device.type == "cpu":
             from turnout.layers.layout import use_k_major_weights
 
@@ -256,10 +261,14 @@ class ModelRunner:
         ``input_tokens``: a lookahead decode step (one token per scheduled entry): the previous step's
         sampled tokens [n], still on the device, are the inputs; nothing waits for them."""
         if copy_on_write:
+            if self.step_publisher is not None:
+                self.step_publisher.copy_blocks(copy_on_write)
             mapping = self._h2d(list(copy_on_write), torch.long)
             self.ops.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
         pending = input_tokens is not None
         input_ids, positions, meta, sample_idx = self.prepare_host(scheduled, pending)
+        if self.step_publisher is not None:  # the other ranks run the same forward
+            self.step_publisher.step(input_ids, positions, meta, sample_idx, bool(lanes), input_tokens)
         if lanes and self.graphs is not None and self.graphs.can_run(len(sample_idx), meta):
             # pure decode: replay a CUDA graph
             logits = self.graphs.run(input_tokens if pending else input_ids, positions, meta)

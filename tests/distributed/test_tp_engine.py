@@ -1,0 +1,83 @@
+"""The whole engine with tensor_parallel_size=2 on CPU over gloo (the mp executor: rank 0 in this process, rank
+1 spawned) against the same engine with one rank: greedy tokens and their logprobs, through chunked prefill
+and prefix caching; collective_rpc reaches both ranks; shutdown leaves no worker process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from turnout import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.05
+            p.copy_((1.0 + 2 * noise) if "norm" in name else 2 * noise)
+    d = tmp_path_factory.mktemp("qwen2")
+    hf.save_pretrained(d, safe_serialization=True)
+    return str(d)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 320, (20,), generator=g).tolist()  # a prefix shared by two prompts
+    return [shared + [5, 6, 7], shared + torch.randint(0, 320, (9,), generator=g).tolist(),
+            torch.randint(0, 320, (30,), generator=g).tolist(), [42]]
+
+
+def _run(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                                                   for o in outs]
+
+
+def _logprob(entry):
+    return entry if isinstance(entry, float) else entry.logprob
+
+
+def test_llm_tp2_matches_tp1(tiny_path):
+    kw = dict(kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True)
+    ref_tokens, ref_lps = _run(LLM(tiny_path, **kw))
+    llm = LLM(tiny_path, tensor_parallel_size=2, **kw)
+    executor = llm.engine.executor
+    try:
+        tokens, lps = _run(llm)
+        assert llm.engine.scheduler.num_prefix_cached_tokens > 0
+        info = executor.collective_rpc("describe")
+        assert [i["rank"] for i in info] == [0, 1] and all(i["tp_size"] == 2 for i in info)
+        assert [i["embed_rows"] for i in info] == [160, 160] and [i["num_kv_heads"] for i in info] == [1, 1]
+        assert executor.collective_rpc(_loaded_rows) == [(0, 160), (1, 160)]
+        pids = [p.pid for p in executor._procs]
+    finally:
+        executor.shutdown()
+    assert tokens == ref_tokens
+    for a, b in zip(lps, ref_lps):
+        assert max(abs(_logprob(x) - _logprob(y)) for x, y in zip(a, b)) < 1e-4
+    import os
+
+    for pid in pids:  # the worker processes are gone (reaped by join)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _loaded_rows(worker):
+    """A callable collective_rpc ships to every rank: its TP rank and its LM head's vocabulary rows."""
+    return worker.tp.rank, int(worker.runner.model.lm_head.weight.shape[0])
+
+
+def test_tensor_parallel_size_is_checked():
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(None, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        LLM(None, tensor_parallel_size=2, distributed_executor_backend="uniproc")

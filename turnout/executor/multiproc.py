@@ -1,0 +1,141 @@
+"""The multi-process executor: a tensor-parallel engine on one machine.
+
+Rank 0, the driver, lives in the engine process: the engine core drives its ModelRunner as in the uniproc
+case, so scheduling, the sampler and every per-request stage (penalties, logits processors, grammar masks,
+which are Python objects of the requests) stay where the requests are, and only rank 0 samples. Ranks
+1..N-1 are spawned processes (``turnout.worker.worker.worker_main``), one per rank, each with its device, model
+shard and KV shard. Each step the driver's runner hands this executor the step's host inputs once
+(``StepPublisher``), and one flat int64 message (turnout/worker/step_codec.py) goes to every other rank over
+its private pipe: no per-request object, no pickle on the per-step path. A lookahead step's input tokens (still
+on the driver's device) are broadcast over the TP group. The rendezvous is a file store in a private temporary
+directory, so no store socket listens at all (gloo's own pair sockets follow the host name, 127.0.0.1 here; set
+GLOO_SOCKET_IFNAME=lo to pin them). ``collective_rpc`` pickles (method, args) over the same pipes, which only
+this process holds.
+
+The KV block count the scheduler uses is the smallest any rank has room for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import weakref
+
+import torch
+
+from turnout.worker import step_codec
+
+logger = logging.getLogger(__name__)
+
+
+class StepPublisher:
+    """What the driver's ModelRunner calls (``runner.step_publisher``) to send each step to the other ranks."""
+
+    def __init__(self, conns, group):
+        self.conns, self.group = conns, group
+
+    def copy_blocks(self, copy_on_write) -> None:
+        msg = step_codec.encode_copy(copy_on_write)
+        for c in self.conns:
+            c.send_bytes(msg)
+
+    def step(self, input_ids, positions, meta, sample_idx, has_lanes: bool, input_tokens) -> None:
+        pending = input_tokens is not None
+        msg = step_codec.encode_step(input_ids, positions, meta, sample_idx, has_lanes, pending)
+        for c in self.conns:
+            c.send_bytes(msg)
+        if pending:
+            import torch.distributed as dist
+
+            dist.broadcast(input_tokens.to(torch.long).contiguous(), src=0, group=self.group)
+
+
+class MultiprocExecutor:
+    def __init__(self, config, platform, ops):
+        import multiprocessing as mp
+
+        from turnout.worker.worker import Worker, worker_main
+
+        world = config.tensor_parallel_size
+        self.world_size = world
+        self._dir = tempfile.mkdtemp(prefix="turnout-rdzv-")
+        init_method = f"file://{os.path.join(self._dir, 'store')}"
+        ctx = mp.get_context("spawn")
+        self._procs, self._to, self._from = [], [], []
+        for rank in range(1, world):
+            to_r, to_w = ctx.Pipe(duplex=False)
+            from_r, from_w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=worker_main, args=(rank, world, init_method, config, to_r, from_w),
+                            name=f"turnout-worker-{rank}", daemon=True)
+            p.start()
+            to_r.close()
+            from_w.close()
+            self._procs.append(p)
+            self._to.append(to_w)
+            self._from.append(from_r)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._to, self._dir)
+        try:
+            self.worker = Worker(config, rank=0, world_size=world, init_method=init_method, platform=platform, ops=ops)
+            blocks = [self.worker.runner.num_blocks]
+            for rank, conn in enumerate(self._from, start=1):
+                status, value = conn.recv()
+                if status != "ready":
+                    raise RuntimeError(f"tensor-parallel worker failed to start: {value}")
+                blocks.append(value)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.loaded = self.worker.loaded
+        self.runner = self.worker.runner
+        self.runner.step_publisher = StepPublisher(self._to, self.worker.tp.group)
+        self.num_blocks = min(blocks)
+        logger.info("tensor parallel: %d ranks (%s), %d KV blocks (the least of %s)", world,
+                    platform.dist_backend, self.num_blocks, blocks)
+
+    def collective_rpc(self, method, args=(), kwargs=None) -> list:
+        """``method`` (a Worker method name, or an importable callable taking the worker first) on every rank,
+        the driver's too; the results in rank order."""
+        kwargs = kwargs or {}
+        msg = step_codec.RPC.ljust(8, b"\0") + pickle.dumps((method, tuple(args), kwargs))
+        for c in self._to:
+            c.send_bytes(msg)
+        fn = getattr(self.worker, method) if isinstance(method, str) else None
+        mine = fn(*args, **kwargs) if fn is not None else method(self.worker, *args, **kwargs)
+        results = [mine]
+        errors = []
+        for conn in self._from:
+            status, value = conn.recv()
+            (results if status == "ok" else errors).append(value)
+        if errors:
+            raise RuntimeError(f"collective_rpc({method!r}) failed: {'; '.join(errors)}")
+        return results
+
+    def shutdown(self) -> None:
+        """Tell every rank to quit and wait for it (a stuck one is terminated); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+        from turnout.distributed import destroy_distributed
+
+        destroy_distributed()
+
+
+def _shutdown(procs, conns, rdzv_dir) -> None:
+    quit_msg = step_codec.QUIT.ljust(8, b"\0")
+    for c in conns:
+        try:
+            c.send_bytes(quit_msg)
+            c.close()
+        except OSError:
+            pass
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+    shutil.rmtree(rdzv_dir, ignore_errors=True)

@@ -1,0 +1,138 @@
+"""One rank of the engine: its device, its model shard, its KV cache shard (the model runner's), and, in a
+tensor-parallel engine, its place in the process group.
+
+``Worker`` wraps the existing ``turnout.engine.model_runner.ModelRunner`` (which should move here, under
+``worker/``, once the engine no longer builds it itself: today the worker imports it from the engine package).
+In-process (the uniproc executor, and rank 0 of the mp executor) the engine drives the runner directly; in
+a spawned process ``serve`` runs the loop the mp executor drives: each step's flat inputs in
+(turnout/worker/step_codec.py), this rank's forward with its share of the collectives, nothing back (only
+rank 0 samples and returns tokens). ``collective_rpc`` calls reach any public method of the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import traceback
+
+import torch
+
+from turnout.worker import step_codec
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config, *, rank: int = 0, world_size: int = 1, init_method: str | None = None,
+                 platform=None, ops=None):
+        from turnout.distributed import init_distributed
+        from turnout.engine.model_runner import ModelRunner
+        from turnout.layers.fusion import plan_fusions
+        from turnout.loader import load_model
+        from turnout.ops import Policy, resolve
+        from turnout.platforms import detect_platform
+
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.platform = platform or detect_platform(config.device)
+        if self.platform.is_gpu:
+            count = getattr(torch, self.platform.device_type).device_count()
+            if world_size > count:
+                raise ValueError(f"tensor_parallel_size: {world_size} ranks but {count} {self.platform.name} "
+                                 "device(s) on this machine")
+            self.device = self.platform.device(rank)
+            getattr(torch, self.platform.device_type).set_device(self.device)
+        else:
+            self.device = self.platform.device(None)
+            if world_size > 1:  # ranks share the host's cores
+                torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+        self.tp = init_distributed(self.platform, rank=rank, world_size=world_size, init_method=init_method,
+                                   device=self.device if self.platform.is_gpu else None)
+        self.ops = ops or resolve(self.platform, Policy.from_sources(config.ops_policy, platform=self.platform))
+        torch.manual_seed(config.seed)
+        self.loaded = load_model(config.model, load_format=config.load_format, dtype=config.dtype, device=self.device,
+                                 ops=self.ops, seed=config.seed, tokenizer=config.tokenizer,
+                                 plan=plan_fusions(self.ops), tp=self.tp if world_size > 1 else None)
+        self.runner = ModelRunner(config, self.platform, self.ops, self.loaded)
+
+    # ---- reachable through collective_rpc -------------------------------------------------------
+    def describe(self) -> dict:
+        """This rank's place and shard (for tests and diagnostics)."""
+        model = self.runner.model
+        return {"rank": self.rank, "world_size": self.world_size, "tp_rank": self.tp.rank, "tp_size": self.tp.size,
+                "device": str(self.device), "num_blocks": self.runner.num_blocks,
+                "num_kv_heads": self.runner.num_kv_heads,
+                "embed_rows": int(model.model.embed_tokens.weight.shape[0])}
+
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    # ---- a step on a rank that does not sample ---------------------------------------------------
+    @torch.inference_mode()
+    def run_step(self, msg: bytes) -> None:
+        """This rank's part of a step the driver rank runs: the same forward, so that every collective of the
+        model meets its peers; logits are computed (the LM head gathers them) only where the driver computes
+        them, and never sampled here."""
+        r = self.runner
+        input_ids, positions, meta, sample_idx, has_lanes, pending = step_codec.decode_step(msg)
+        if pending:  # a lookahead step: its inputs are the driver's sampled tokens, still on its device
+            import torch.distributed as dist
+
+            input_ids = torch.empty(input_ids.shape, dtype=torch.long, device=self.device)
+            dist.broadcast(input_ids, src=0, group=self.tp.group)
+        if has_lanes and r.graphs is not None and r.graphs.can_run(len(sample_idx), meta):
+            r.graphs.run(input_ids, positions, meta)  # the driver replays its graph: so does this rank
+            return
+        dev_ids, positions, meta = r._to_device(input_ids, positions, meta)
+        if not pending:
+            input_ids = dev_ids
+        hidden = r.model(input_ids, positions, r.kv_caches, meta)
+        if not has_lanes:
+            return
+        if len(sample_idx) != hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(sample_idx, dtype=torch.long, device=self.device))
+        r.model.compute_logits(hidden)
+
+    def copy_blocks(self, msg: bytes) -> None:
+        pairs = step_codec.decode_copy(msg)
+        mapping = torch.tensor(pairs, dtype=torch.long, device=self.device)
+        self.ops.copy_blocks([c for kv in self.runner.kv_caches for c in kv], mapping)
+
+    def serve(self, conn_in, conn_out) -> None:
+        """The loop of a spawned rank: until the engine says quit or its end of the pipe closes."""
+        while True:
+            try:
+                msg = conn_in.recv_bytes()
+            except (EOFError, OSError):  # the engine process is gone: leave, no orphan
+                break
+            kind = step_codec.kind_of(msg)
+            if kind == step_codec.STEP:
+                self.run_step(msg)
+            elif kind == step_codec.COPY:
+                self.copy_blocks(msg)
+            elif kind == step_codec.RPC:
+                # From the engine process that spawned this rank, over a private pipe; no request reaches it.
+                method, args, kwargs = pickle.loads(msg[8:])
+                try:
+                    fn = method if callable(method) else getattr(self, method)
+                    result = ("ok", fn(self, *args, **kwargs) if callable(method) else fn(*args, **kwargs))
+                except Exception as e:  # noqa: BLE001 - the caller gets it, named with this rank
+                    result = ("error", f"rank {self.rank}: {type(e).__name__}: {e}")
+                conn_out.send(result)
+            elif kind == step_codec.QUIT:
+                break
+
+
+def worker_main(rank: int, world_size: int, init_method: str, config, conn_in, conn_out) -> None:
+    """Entry point of a spawned rank: build the worker, say ready (with its KV block count) or why not, serve."""
+    from turnout.distributed import destroy_distributed
+
+    try:
+        worker = Worker(config, rank=rank, world_size=world_size, init_method=init_method)
+    except BaseException as e:  # noqa: BLE001 - reported to the engine, which fails its start-up with it
+        conn_out.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    conn_out.send(("ready", worker.runner.num_blocks))
+    try:
+        worker.serve(conn_in, conn_out)
+    finally:
+        destroy_distributed()
