@@ -253,10 +253,11 @@ def test_grouped_mm_probe_degrades_with_a_reason(monkeypatch):
     from turnout.ops.reference.moe import MOE_EXPERTS
     from turnout.ops.spec import ImplUnavailable
     from turnout.ops.vendors.cuda import moe as vendor_moe
+    from turnout.ops.vendors.cuda import register as register_cuda
 
     reg = Registry()
     reg.add_op(MOE_EXPERTS)
-    vendor_moe.register(reg)
+    register_cuda(reg)  # the package's registration declares the grouped-GEMM moe_experts
     res = resolve_op("moe_experts", reg, PLATFORM, Policy())
     cand = next(c for c in res.candidates if c.impl == "vendor.cuda")
     if PLATFORM.name != "cuda":
