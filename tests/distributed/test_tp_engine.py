@@ -46,10 +46,17 @@ def _logprob(entry):
     return entry if isinstance(entry, float) else entry.logprob
 
 
-def test_llm_tp2_matches_tp1(tiny_path):
-    kw = dict(kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True)
-    ref_tokens, ref_lps = _run(LLM(tiny_path, **kw))
-    llm = LLM(tiny_path, tensor_parallel_size=2, **kw)
+KW = dict(kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_path):
+    return _run(LLM(tiny_path, **KW))
+
+
+def test_llm_tp2_matches_tp1(tiny_path, reference):
+    ref_tokens, ref_lps = reference
+    llm = LLM(tiny_path, tensor_parallel_size=2, **KW)
     executor = llm.engine.executor
     try:
         tokens, lps = _run(llm)
@@ -81,3 +88,24 @@ def test_tensor_parallel_size_is_checked():
         LLM(None, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         LLM(None, tensor_parallel_size=2, distributed_executor_backend="uniproc")
+
+
+def test_lookahead_steps_under_tp(tiny_path, reference):
+    """Async scheduling: a lookahead step's inputs are rank 0's sampled tokens, broadcast to rank 1."""
+    llm = LLM(tiny_path, tensor_parallel_size=2, async_scheduling=True, **KW)
+    try:
+        tokens, _ = _run(llm)
+        assert llm.engine.num_lookahead_steps > 0
+    finally:
+        llm.engine.executor.shutdown()
+    assert tokens == reference[0]
+
+
+def test_cli_flag_reaches_the_config():
+    from turnout.entrypoints import cli
+    from turnout.entrypoints.openai import serve_cmd
+
+    args = cli.build_parser().parse_args(["serve", "-tp", "2"])
+    assert serve_cmd.build_config(args).tensor_parallel_size == 2
+    for sub in (["generate", "hi"], ["bench", "latency"]):
+        assert cli.build_parser().parse_args([*sub, "--tensor-parallel-size", "2"]).tensor_parallel_size == 2

@@ -65,6 +65,8 @@ def _common(p) -> None:
                    help="launch the next decode step before the last one's tokens are read back "
                         "(default: on for GPUs, off on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks (devices) of this machine")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None, help="default: input-len + output-len")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -129,7 +131,7 @@ def build_llm(args, batch: int):
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
               load_format=load_format, seed=args.seed, ops_policy=args.ops_policy, block_size=args.block_size,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              tokenizer=bench_tokenizer(path))
+              tokenizer=bench_tokenizer(path), tensor_parallel_size=args.tensor_parallel_size)
     return llm, path, load_format, time.perf_counter() - t0
 
 

@@ -25,6 +25,8 @@ def add_arguments(p) -> None:
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="no CUDA graphs (default: graphs on a GPU)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks (devices) of this machine")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before the last one's tokens are read back "
                         "(default: on for GPUs, off on CPU)")
@@ -41,7 +43,7 @@ def run(args) -> int:
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               load_format=args.load_format, ops_policy=args.ops_policy,
               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
     engine = llm.engine
     if args.chat:
         prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]

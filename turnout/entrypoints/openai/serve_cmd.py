@@ -52,6 +52,8 @@ def add_arguments(p) -> None:
     e.add_argument("--fair-share-seqs", type=int, default=16,
                    help="while others wait, one request runs at most this many of its sequences a step "
                         "(0: no cap)")
+    e.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks (devices) of this machine (a process per rank)")
     e.add_argument("--block-size", type=int, default=16, help="tokens in one KV-cache block")
     e.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache bytes (CPU default 1 GiB)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -119,7 +121,8 @@ def build_config(args):
         async_scheduling=args.async_scheduling,
         load_format=args.load_format, seed=args.seed, ops_policy=args.ops_policy,
         served_model_name=(args.served_model_name or [None])[0],
-        max_tokens_per_request=args.max_tokens_per_request, fair_share_seqs=args.fair_share_seqs or None)
+        max_tokens_per_request=args.max_tokens_per_request, fair_share_seqs=args.fair_share_seqs or None,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def bind_socket(host: str, port: int):
