@@ -66,6 +66,23 @@ class OutputProcessor:
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
+    def finish_aborted(self, request_id: str) -> RequestOutput | None:
+        """End a request as aborted and drop it: its final output, with the tokens and logprobs so far and
+        ``finish_reason == "abort"`` on every unfinished sample (None if it is not here)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for i in range(state.request.params.n):
+            if i not in state.completions:  # a sample not forked yet
+                self.requests[request_id] = state
+                self.add_sample(request_id, i)
+                del self.requests[request_id]
+            comp = state.completions[i]
+            if comp.finish_reason is None:
+                comp.text += state.detoks[i].flush()
+                comp.finish_reason = "abort"
+        return self._request_output(state)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
 
@@ -138,7 +155,10 @@ class OutputProcessor:
             comp.cumulative_logprob += st.logprob
         n_out = len(comp.token_ids)
         finish, stop_reason = None, None
-        if tok in self.eos_ids and not p.ignore_eos and n_out > p.min_tokens - 1:
+        terminated = getattr(seq.grammar, "is_terminated", None)
+        if terminated is not None and terminated():
+            finish = "stop"  # its grammar took a stop token: the structured text is complete (min_tokens, ignore_eos yield)
+        elif tok in self.eos_ids and not p.ignore_eos and n_out > p.min_tokens - 1:
             finish = "stop"
         elif tok in p.stop_token_ids and n_out >= p.min_tokens:
             finish, stop_reason = "stop", tok

@@ -68,6 +68,7 @@ class BlockManager:
         self.num_hit_tokens = 0  # of those, found
         self.num_evictions = 0  # cached blocks given away for new content
         self.num_copy_on_write = 0
+        self.num_prefix_forgets = 0  # forget_prefix_cache calls (weight updates, clear_kv_cache)
 
     # ---- state ----------------------------------------------------------------------------------
     @property
@@ -262,6 +263,25 @@ class BlockManager:
         self._free_cached.clear()
         self._hash_to_block.clear()
         return True
+
+    def forget_prefix_cache(self) -> int:
+        """Make every cached prefix unreachable, whatever is in use (after a weight update the cached KV
+        was computed with the old weights): free cached blocks become plain, and a block held by a running
+        sequence gets a hash of its own that no chain from the first block can reach, so no new request
+        matches it and the sequence, which keeps it, does not register it again under a reachable hash
+        (its later blocks chain from it, unreachable too). Returns the number of blocks forgotten."""
+        forgotten = len(self._free_cached)
+        for block_id in list(self._free_cached):
+            self.blocks[block_id].forget()
+            self._free_plain.append(block_id)
+        self._free_cached.clear()
+        for block in self.blocks:
+            if block.ref_count > 0 and block.hash is not None:
+                block.hash = hash(("stale", self.num_prefix_forgets, block.block_id))  # unique per block and call
+                forgotten += 1
+        self._hash_to_block.clear()
+        self.num_prefix_forgets += 1
+        return forgotten
 
     def stats(self) -> dict[str, float]:
         return {

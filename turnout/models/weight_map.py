@@ -58,26 +58,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     seen: dict[str, set] = {}
     with torch.no_grad():
         for name, tensor in weights:
-            target, shard_id = map_weight_name(name, rules)
-            param = params.get(target)
-            if param is None:
-                if any(p.search(name) for p in ignored):
-                    continue
-                raise ValueError(f"unexpected checkpoint tensor {name!r} {tuple(tensor.shape)}: the model "
-                                 f"({type(model).__name__}) has no parameter {target!r}")
-            if param.is_floating_point() and not (tensor.is_floating_point() or tensor.is_complex()):
-                # copy_ would cast it silently: an int8 norm weight is a quantised or corrupt checkpoint
-                raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} has dtype "
-                                 f"{str(tensor.dtype).replace('torch.', '')}, but parameter {target!r} is "
-                                 f"{str(param.dtype).replace('torch.', '')}: integer (quantised) weights are "
-                                 f"not supported; use a float checkpoint (or a GGUF file)")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} -> parameter {target!r} "
-                                 f"{tuple(param.shape)}: {e}") from None
-            seen.setdefault(target, set()).add(shard_id)
+            loaded = _load_one(model, params, rules, ignored, name, tensor)
+            if loaded is not None:
+                seen.setdefault(loaded[0], set()).add(loaded[1])
     missing = []
     for pname, param in params.items():
         want = set(getattr(param, "shard_ids", (None,)))
@@ -92,6 +75,90 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {type(model).__name__}: "
                          f"{shown}{more}")
     return set(seen)
+
+
+def _load_one(model, params, rules, ignored, name: str, tensor: torch.Tensor) -> tuple[str, Any] | None:
+    """One checkpoint tensor through the map into its parameter: (parameter name, shard id), or None when the
+    tensor is one the model ignores. ValueError naming the tensor when it has no place or does not fit."""
+    target, shard_id = map_weight_name(name, rules)
+    param = params.get(target)
+    if param is None:
+        if any(p.search(name) for p in ignored):
+            return None
+        raise ValueError(f"unexpected checkpoint tensor {name!r} {tuple(tensor.shape)}: the model "
+                         f"({type(model).__name__}) has no parameter {target!r}")
+    if param.is_floating_point() and not (tensor.is_floating_point() or tensor.is_complex()):
+        # copy_ would cast it silently: an int8 norm weight is a quantised or corrupt checkpoint
+        raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} has dtype "
+                         f"{str(tensor.dtype).replace('torch.', '')}, but parameter {target!r} is "
+                         f"{str(param.dtype).replace('torch.', '')}: integer (quantised) weights are "
+                         f"not supported; use a float checkpoint (or a GGUF file)")
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
+    except (ValueError, RuntimeError, IndexError) as e:  # RuntimeError: a copy_ torch itself refused
+        raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} -> parameter {target!r} "
+                         f"{tuple(param.shape)}: {e}") from None
+    return target, shard_id
+
+
+def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Overwrite some of ``model``'s parameters from ``(checkpoint name, full tensor)`` pairs (any subset, any
+    order) through the same map and loaders as ``load_weights``, in place: every parameter keeps its storage
+    and strides, so a re-layout done after the load (K-major CPU weights, turnout/layers/layout.py) and every
+    pointer a captured CUDA graph holds stay valid. Returns the parameter names written.
+
+    All-or-nothing: every tensor is first run through its loader against a meta-device stand-in of its
+    parameter (the loaders' own shape, shard and range checks, nothing written), and only when all pass are
+    they written. An unknown name or a tensor that does not fit is a ValueError naming it, the model unchanged.
+    """
+    items = list(weights)
+    rules = _compile_rules(model)
+    ignored = [re.compile(p) for p in (*ALWAYS_IGNORED, *getattr(model, "ignored_weights", ()))]
+    with torch.no_grad():
+        with _meta_stand_ins(model) as meta_params:
+            for name, tensor in items:
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"weight {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+                _load_one(model, meta_params, rules, ignored, name, tensor.to("meta"))
+        params = dict(model.named_parameters())
+        written = set()
+        for name, tensor in items:
+            loaded = _load_one(model, params, rules, ignored, name, tensor)
+            if loaded is not None:
+                written.add(loaded[0])
+    return written
+
+
+class _meta_stand_ins:
+    """Within: each parameter of the model replaced, in every module that holds it, by a meta-device
+    Parameter of the same shape, strides, dtype and attributes (``weight_loader``, ``shard_ids``), so the
+    layers' own loaders, bound to their modules, check a tensor exactly as they would load it and write
+    nothing. Yields {name: stand-in}. The real parameters are back on exit, whatever happened."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+
+    def __enter__(self) -> dict[str, nn.Parameter]:
+        stand_in: dict[int, nn.Parameter] = {}
+        for mod in self.model.modules():
+            for pname, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in stand_in:  # a tied parameter gets one stand-in, held wherever it is
+                    m = nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta"),
+                                     requires_grad=False)
+                    m.__dict__.update(p.__dict__)
+                    stand_in[id(p)] = m
+                self.swapped.append((mod, pname, p))
+                mod._parameters[pname] = stand_in[id(p)]
+        return dict(self.model.named_parameters())
+
+    def __exit__(self, *exc) -> None:
+        for mod, pname, p in reversed(self.swapped):
+            mod._parameters[pname] = p
+        self.swapped.clear()
 
 
 def _checkpoint_name(param_name: str, shard_id, model: nn.Module) -> str:

@@ -1,0 +1,209 @@
+"""One rank's side of the RL control plane: sleep / wake of its weights and KV cache, and in-place weight
+updates. Every operation is a method of ``RankMemory`` (one per ModelRunner, ``runner.memory``) and a
+function below taking the worker first, which is what the engine hands to ``executor.collective_rpc``: the
+uniproc executor calls it on its one worker, the mp executor on every rank, each rank loading its own shard
+of the full tensors through its layers' weight loaders.
+
+What sleeping releases, and what stays:
+
+- ``sleep(1)``: every parameter's values go to host memory (pinned on a GPU, so ``wake_up`` is one fast
+  copy back; on the host the tensors themselves are kept, there is nowhere cheaper to put them) and the
+  parameter is left an empty tensor; the KV cache tensors are dropped. ``sleep(2)``: the weights are dropped
+  too (the trainer pushes new ones after ``wake_up``). Buffers (the rotary cos/sin cache) stay: derived from
+  the config, a few MB, and not recomputable from the checkpoint names an update sends.
+- On a GPU the captured decode graphs are dropped as well, then ``empty_cache`` hands the freed blocks back
+  to the device (not only to torch's caching allocator). CUDA graphs bake in the addresses of the weights,
+  the KV cache and their own pool; torch offers no public way to unmap physical memory while keeping a
+  virtual address range (vLLM's CuMem allocator does it with the driver API), so an address cannot be kept
+  across a real release. The graphs are therefore re-captured (``cuda_graphs.maybe_capture``, the same path
+  as at start-up) once both weights and KV cache are awake again. A weight update while awake writes in
+  place (turnout/models/weight_map.py ``update_weights``), so it keeps every address and needs no re-capture.
+- Waking restores each parameter with its own shape, strides and dtype (``empty_strided``), so a re-layout
+  done after loading (K-major CPU weights, turnout/layers/layout.py) survives a sleep without being redone.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+TAGS = ("weights", "kv_cache")
+
+
+@dataclass
+class _Saved:
+    """A parameter while asleep: its layout and, after sleep(1), its values on the host."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    host: torch.Tensor | None
+
+
+def _release_device(device: torch.device) -> None:
+    gc.collect()  # tensors in reference cycles (an exception's traceback) hold their storage until collected
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(model.named_parameters())  # tied parameters once, under their first name
+
+
+class RankMemory:
+    """Sleep state of one rank's model runner (weights, KV cache, decode graphs)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.weights_asleep = False
+        self.kv_asleep = False
+        self.weights_discarded = False  # woken from sleep(2): values undefined until an update writes them
+        self._saved: dict[str, _Saved] = {}
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.weights_asleep or self.kv_asleep
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes held by this rank's parameters, KV cache and host copies (storage sizes: what is really held)."""
+        r = self.runner
+        params = sum(p.untyped_storage().nbytes() for _, p in _unique_params(r.model))
+        kv = sum(t.untyped_storage().nbytes() for pair in r.kv_caches for t in pair)
+        host = sum(s.host.untyped_storage().nbytes() for s in self._saved.values() if s.host is not None)
+        return {"weights": params, "kv_cache": kv, "host_weights": host}
+
+    # ---- sleep -------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        if level not in (1, 2):
+            raise ValueError(f"level: must be 1 (weights to host memory, KV cache discarded) or 2 (both "
+                             f"discarded), got {level!r}")
+        t0 = time.perf_counter()
+        r = self.runner
+        before = self.resident_bytes()
+        self._drop_graphs()
+        if not self.weights_asleep:
+            self._sleep_weights(keep=level == 1)
+        if not self.kv_asleep:
+            r.kv_caches = []  # the tensors go with the last reference (the graphs held the others)
+            self.kv_asleep = True
+        _release_device(r.device)
+        after = self.resident_bytes()
+        logger.info("sleep(level=%d) in %.3fs: released %.2f GiB of weights, %.2f GiB of KV cache", level,
+                    time.perf_counter() - t0, (before["weights"] - after["weights"]) / 2**30,
+                    (before["kv_cache"] - after["kv_cache"]) / 2**30)
+        return after
+
+    def _sleep_weights(self, keep: bool) -> None:
+        r = self.runner
+        pin = r.device.type == "cuda"
+        for name, p in _unique_params(r.model):
+            host = None
+            if keep:
+                if p.device.type == "cpu":
+                    host = p.data  # already host memory: keep the tensor itself
+                else:
+                    host = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="cpu", pin_memory=pin)
+                    host.copy_(p.data, non_blocking=pin)
+            self._saved[name] = _Saved(tuple(p.shape), tuple(p.stride()), p.dtype, host)
+        if pin:
+            torch.cuda.synchronize(r.device)  # the non-blocking copies landed before the device memory goes
+        for _, p in _unique_params(r.model):
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.weights_asleep = True
+
+    def _drop_graphs(self) -> None:
+        r = self.runner
+        if r.graphs is not None:
+            r.graphs = None  # its pool, static buffers and the addresses it baked in go with it
+
+    # ---- wake --------------------------------------------------------------------------------------
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, int]:
+        tags = _check_tags(tags)
+        t0 = time.perf_counter()
+        r = self.runner
+        if "weights" in tags and self.weights_asleep:
+            discarded = False
+            for name, p in _unique_params(r.model):
+                s = self._saved.pop(name)
+                if s.host is not None and s.host.device == r.device:  # the host is the device: the tensor itself
+                    p.data = s.host
+                    continue
+                dev = torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=r.device)
+                if s.host is None:  # sleep(2): the trainer sends the values next
+                    dev.zero_()
+                    discarded = True
+                else:
+                    dev.copy_(s.host, non_blocking=s.host.is_pinned())
+                p.data = dev
+            self._saved.clear()
+            self.weights_asleep = False
+            self.weights_discarded = discarded
+            if discarded:
+                logger.warning("wake_up: the weights were discarded by sleep(level=2); they are zeros until "
+                               "update_weights writes them")
+        if "kv_cache" in tags and self.kv_asleep:
+            shape = (r.num_blocks, r.block_size, r.num_kv_heads, r.head_dim)  # [num_blocks, block_size, Hk, D]
+            r.kv_caches = [(torch.zeros(shape, dtype=r.dtype, device=r.device),
+                            torch.zeros(shape, dtype=r.dtype, device=r.device)) for _ in range(r.num_layers)]
+            self.kv_asleep = False
+        if not self.is_sleeping and r.graphs is None:
+            from turnout.engine.cuda_graphs import maybe_capture
+
+            if r.device.type == "cuda":
+                torch.cuda.synchronize(r.device)
+            r.graphs = maybe_capture(r)  # re-captured against the new addresses; None on the host
+        logger.info("wake_up(%s) in %.3fs", list(tags), time.perf_counter() - t0)
+        return self.resident_bytes()
+
+    # ---- weight updates ----------------------------------------------------------------------------
+    def update_weights(self, weights) -> list[str]:
+        """(HF checkpoint name, full tensor) pairs into this rank's shard, in place, all or nothing
+        (turnout/models/weight_map.py ``update_weights``). Returns the parameter names written."""
+        from turnout.models.weight_map import update_weights
+
+        if self.weights_asleep:
+            raise RuntimeError("update_weights: the weights are asleep (sleep() was called); "
+                               "wake_up(tags=['weights']) first")
+        r = self.runner
+        written = update_weights(r.model, weights)
+        if r.device.type == "cuda":
+            torch.cuda.synchronize(r.device)  # the caller may free or reuse its tensors as soon as this returns
+        if written:
+            self.weights_discarded = False
+        return sorted(written)
+
+
+def _check_tags(tags) -> tuple[str, ...]:
+    if tags is None:
+        return TAGS
+    if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
+        raise ValueError(f"tags: a list of {list(TAGS)} (or None for both), got {tags!r}")
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown:
+        raise ValueError(f"tags: unknown tag(s) {unknown}; known: {list(TAGS)}")
+    return tuple(tags)
+
+
+# ---- what collective_rpc runs on every rank (a callable taking the worker first) ----------------------
+def sleep_rank(worker, level: int = 1) -> dict[str, int]:
+    return worker.runner.memory.sleep(level)
+
+
+def wake_up_rank(worker, tags=None) -> dict[str, int]:
+    return worker.runner.memory.wake_up(tags)
+
+
+def update_weights_rank(worker, weights) -> list[str]:
+    return worker.runner.memory.update_weights(weights)
+
+
+def resident_bytes_rank(worker) -> dict[str, int]:
+    return worker.runner.memory.resident_bytes()

@@ -1,0 +1,231 @@
+"""The engine's side of the RL control plane (docs/architecture.md, "RL rollout"): sleep / wake, weight
+updates, pause / abort / resume, prefix-cache resets, and the token-in / token-out output an RL loop reads.
+
+The work on tensors happens on every rank (turnout/engine/rank_memory.py), reached through the executor's
+``collective_rpc``; what is decided here is what the scheduler may do meanwhile.
+
+- Sleeping needs an idle engine (no unfinished request): the KV cache goes, so nothing may hold blocks. While
+  any part sleeps, admitting a request is a RuntimeError naming the state.
+- A weight update (and ``clear_kv_cache``) makes every cached prefix unreachable, in use or not (the KV
+  was computed with the old weights; ``BlockManager.forget_prefix_cache``). Waking the KV cache resets it.
+- ``pause_generation("abort")`` (and ``abort_all_requests``) ends every unfinished request now, its output
+  carrying its partial tokens and logprobs with ``finish_reason == "abort"``; ``"keep"`` leaves them where
+  they are, not stepped, to continue after ``resume_generation`` (with whatever weights are there by then).
+  Either way no request is admitted until ``resume_generation``: a rollout loop that keeps submitting cannot
+  start new work on the old weights between the abort and the trainer's push.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from turnout.engine import rank_memory
+from turnout.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "keep")
+
+
+@dataclass
+class TokenOutput:
+    """A token-in / token-out result (what verl's rollout server reads from its engine)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token, as sampled (after temperature, before top-k/top-p)
+    stop_reason: str  # "completed" | "aborted" | "error"
+    finish_reason: str | None  # the engine's: "stop" | "length" | "abort" | "error"
+    routed_experts: list | None = None  # not recorded yet (issue 20: routing replay)
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_request_output(cls, out: RequestOutput) -> "TokenOutput":
+        comp = out.outputs[0]
+        lps = [entry[tok].logprob for tok, entry in zip(comp.token_ids, comp.logprobs or [])]
+        reason = {"abort": "aborted", "error": "error"}.get(comp.finish_reason, "completed")
+        return cls(out.request_id, list(out.prompt_token_ids), list(comp.token_ids), lps, reason,
+                   comp.finish_reason, error=out.error)
+
+
+class RolloutControl:
+    """Held by the LLMEngine (``engine.rl``); every method runs in the thread that steps the engine."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.weights_asleep = False
+        self.kv_asleep = False
+        self.sleep_level: int | None = None
+        self.paused: str | None = None  # None | "abort" | "keep"
+
+    # ---- state -------------------------------------------------------------------------------------
+    def is_sleeping(self) -> bool:
+        return self.weights_asleep or self.kv_asleep
+
+    def check_can_admit(self) -> None:
+        """Raise (RuntimeError naming the state) where a new request cannot be served now."""
+        if self.is_sleeping():
+            asleep = [t for t, a in (("weights", self.weights_asleep), ("kv_cache", self.kv_asleep)) if a]
+            raise RuntimeError(f"the engine is sleeping (sleep(level={self.sleep_level}); asleep: {asleep}): "
+                               "call wake_up() before generating")
+        if self.paused is not None:
+            raise RuntimeError(f"generation is paused (pause_generation(mode={self.paused!r}) or "
+                               "abort_all_requests()): call resume_generation() before generating")
+
+    def _rpc(self, fn, *args) -> list:
+        return self.engine.executor.collective_rpc(fn, args=args)
+
+    # ---- sleep / wake ------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"level: must be 1 (weights to host memory, KV cache discarded) or 2 (both "
+                             f"discarded), got {level!r}")
+        n = self.engine.get_num_unfinished_requests()
+        if n:
+            raise RuntimeError(f"sleep: {n} request(s) unfinished; let them finish or call abort_all_requests() "
+                               "first (sleeping discards the KV cache they use)")
+        self._rpc(rank_memory.sleep_rank, level)
+        self.engine.block_manager.reset_prefix_cache()  # the cached blocks' contents are gone
+        if not self.weights_asleep:
+            self.sleep_level = level
+        self.weights_asleep = self.kv_asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        tags = rank_memory._check_tags(tags)
+        self._rpc(rank_memory.wake_up_rank, list(tags))
+        if "weights" in tags:
+            self.weights_asleep = False
+        if "kv_cache" in tags and self.kv_asleep:
+            self.engine.block_manager.reset_prefix_cache()  # fresh zeros: nothing cached is there
+            self.kv_asleep = False
+        if not self.is_sleeping():
+            self.sleep_level = None
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def update_weights(self, weights) -> list[str]:
+        """(HF checkpoint name, full tensor) pairs, any subset, any order; each rank takes its shard. All or
+        nothing (ValueError naming the tensor). Returns the parameter names written."""
+        if isinstance(weights, dict):
+            weights = weights.items()
+        items = list(weights)
+        for i, item in enumerate(items):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise ValueError(f"weights[{i}]: expected a (name, tensor) pair, got {type(item).__name__}")
+        written = self._rpc(rank_memory.update_weights_rank, items)[0]
+        self.reset_prefix_cache()
+        return written
+
+    def reset_prefix_cache(self) -> int:
+        """Make every cached prefix unreachable (blocks in use included). Returns the blocks forgotten."""
+        return self.engine.block_manager.forget_prefix_cache()
+
+    # ---- pause / abort / resume --------------------------------------------------------------------
+    def abort_all_requests(self) -> list[RequestOutput]:
+        """End every unfinished request now; their outputs (partial tokens and logprobs, finish_reason
+        "abort"), in admission order. Pauses admission until ``resume_generation``."""
+        outs = self._abort_all()
+        self.paused = "abort"
+        return outs
+
+    def _abort_all(self) -> list[RequestOutput]:
+        engine = self.engine
+        rids = list(engine.output_processor.requests)
+        outs = []
+        for rid in rids:
+            out = engine.output_processor.finish_aborted(rid)
+            engine.core.abort(rid)
+            if out is not None:
+                outs.append(out)
+        if rids:
+            logger.info("aborted %d request(s)", len(rids))
+        return outs
+
+    def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        if mode == "abort":
+            return self.abort_all_requests()
+        self.paused = "keep"
+        return []
+
+    def resume_generation(self) -> None:
+        self.paused = None
+
+
+class GenerationGate:
+    """How another thread pauses or aborts ``LLM.generate`` (which steps the engine in the caller's thread):
+    it asks, and the generate loop honours the ask between two steps (``checkpoint``), so the engine is only
+    ever touched by one thread at a time. ``pause("keep")`` returns once the loop is parked; the asking
+    thread may then update weights, and ``resume`` lets the loop go on. With no generate running an ask is
+    applied at once."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._running = False
+        self._parked = False
+        self._ask: str | None = None
+        self._answer: list[RequestOutput] = []
+        self._aborted_while_parked: list[RequestOutput] = []
+
+    @contextmanager
+    def generating(self):
+        with self._cv:
+            self._running = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._running = False
+                if self._ask is not None:  # asked after the loop's last checkpoint: answered now, idle
+                    self._answer, self._ask = self.engine.rl.pause_generation(self._ask), None
+                self._cv.notify_all()
+
+    def checkpoint(self) -> list[RequestOutput]:
+        """The generate loop, between steps: honour a pending ask. Returns the outputs it aborted."""
+        if self._ask is None:  # an unlocked read: an ask that races it is seen at the next step
+            return []
+        with self._cv:
+            ask, self._ask = self._ask, None
+            if ask is None:
+                return []
+            self._answer = out = self.engine.rl.pause_generation(ask)
+            self._cv.notify_all()
+            if ask == "keep":
+                self._parked = True
+                while self.engine.rl.paused == "keep":
+                    self._cv.wait()
+                self._parked = False
+                out, self._aborted_while_parked = out + self._aborted_while_parked, []
+            return out
+
+    def pause(self, mode: str) -> list[RequestOutput]:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        with self._cv:
+            if not self._running or self._parked:
+                out = self.engine.rl.pause_generation(mode)
+                if self._parked:  # the parked loop collects its aborted requests too
+                    self._aborted_while_parked.extend(out)
+                    self._cv.notify_all()
+                return out
+            self._ask = mode
+            while self._ask is not None:
+                self._cv.wait()
+            return self._answer
+
+    def resume(self) -> None:
+        with self._cv:
+            self.engine.rl.resume_generation()
+            self._cv.notify_all()
+
+    def check_quiet(self, what: str) -> None:
+        """``what`` touches the engine: refuse while a generate loop runs in another thread and is not parked."""
+        if self._running and not self._parked:
+            raise RuntimeError(f"{what}: a generate() call is running; pause_generation() (or "
+                               "abort_all_requests()) first")
