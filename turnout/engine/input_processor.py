@@ -52,6 +52,7 @@ class EngineRequest:
     params: SamplingParams
     arrival_time: float
     seed: int  # in [0, 2**63): the request's own seed, or one drawn from the engine's generator
+    grammar: object | None = None  # structured output: the compiled grammar (xgrammar), shared by its samples
 
 
 def request_cost(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
@@ -66,8 +67,10 @@ def request_cost(num_prompt_tokens: int, params: SamplingParams, max_model_len: 
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 max_tokens_per_request: int | None, seed: int):
+                 max_tokens_per_request: int | None, seed: int, *, stop_token_ids: list[int] | None = None):
         self.tokenizer = tokenizer
+        self.stop_token_ids = stop_token_ids  # what ends a sequence: a grammar allows them once its text is complete
+        self._compiler = None  # the GrammarCompiler, made at the first structured request
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_tokens_per_request = max_tokens_per_request
@@ -125,5 +128,25 @@ class InputProcessor:
                 raise ValueError(f"max_tokens_per_request: this request may cost {cost} tokens (n={params.n} x "
                                  f"({len(ids)} prompt + {gen} max_tokens){lp}), over the limit of {limit} "
                                  f"tokens a request; lower n, max_tokens or logprobs")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler().compile(params.structured_outputs)  # cached per spec
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return EngineRequest(request_id, text, ids, params, arrival_time, seed % 2**63)
+        return EngineRequest(request_id, text, ids, params, arrival_time, seed % 2**63, grammar)
+
+    def grammar_compiler(self):
+        """The engine's GrammarCompiler (turnout/structured/compiler.py): built once, from the tokenizer,
+        for the logits' width (an LM head padded past the tokenizer never allows its padding ids)."""
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: structured output needs the model's tokenizer, and this "
+                                 "model has none")
+            from turnout.structured.compiler import GrammarCompiler
+
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                             stop_token_ids=sorted(self.stop_token_ids or ()) or None)
+        return self._compiler
+
+    def new_grammar_state(self, req: EngineRequest):
+        """A fresh GrammarState for the request's first sequence (its other samples fork it), or None."""
+        return None if req.grammar is None else self.grammar_compiler().new_state(req.grammar)

@@ -78,7 +78,8 @@ class LLMEngine:
                               self.max_model_len, fair_share_seqs=config.fair_share_seqs)
         self.eos_ids = self._eos_ids()
         self.input_processor = InputProcessor(self.tokenizer, self.runner.vocab_size, self.max_model_len,
-                                              config.max_tokens_per_request, config.seed)
+                                              config.max_tokens_per_request, config.seed,
+                                              stop_token_ids=sorted(self.eos_ids))
         is_async = self.platform.is_gpu if config.async_scheduling is None else config.async_scheduling
         self.core = EngineCore(scheduler, self.runner, self.eos_ids, self.max_model_len, is_async)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
@@ -129,8 +130,10 @@ class LLMEngine:
         now = time.time() if arrival_time is None else arrival_time
         req = self.input_processor.process(request_id, prompt, params, now)
         p = req.params
-        self.core.add(Sequence(self.core.scheduler.new_seq_id(), request_id, req.prompt_token_ids, p,
-                               seed=req.seed, n=p.n, arrival_time=now))  # may raise: it can never fit
+        seq = Sequence(self.core.scheduler.new_seq_id(), request_id, req.prompt_token_ids, p,
+                       seed=req.seed, n=p.n, arrival_time=now)
+        seq.grammar = self.input_processor.new_grammar_state(req)  # structured output (its forks copy it)
+        self.core.add(seq)  # may raise: it can never fit
         self.output_processor.add_request(req)
 
     def abort_request(self, request_id) -> None:

@@ -67,6 +67,7 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_bytes / 2**30, self.dtype)
         self.graphs = maybe_capture(self)  # None: every step runs eagerly
+        self.grammar_stage = None  # made by _grammar_stage() when a grammar lane first samples
 
     @property
     def pdl(self) -> bool:
@@ -295,9 +296,18 @@ class ModelRunner:
                     t.record_stream(main)
         if batch is None:  # every lane failed
             return SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device), faults=faults)
-        out = sample(self.ops, logits, batch)
+        out = sample(self.ops, logits, batch, self._grammar_stage() if batch.grammars else None)
         out.faults.update(faults)
         return out
+
+    def _grammar_stage(self):
+        """The structured-output mask stage (turnout/structured/mask.py), made at the first batch with a
+        grammar lane: pinned host rows for the logits' width and the largest batch, copied up once a step."""
+        if self.grammar_stage is None:
+            from turnout.structured.mask import BitmaskStage
+
+            self.grammar_stage = BitmaskStage(self.vocab_size, self.config.max_num_seqs, self.device)
+        return self.grammar_stage
 
 
     def start_readback(self, result):

@@ -76,6 +76,9 @@ class SamplingParams:
     # per-request hooks, as vLLM's: fn(output_token_ids, logits [V] f32) -> logits [V], applied before
     # sampling (Python API only). One that raises fails its own request, never the step.
     logits_processors: list | None = None
+    # structured output (vLLM's name and shape): a turnout.structured.StructuredOutputsParams, or a dict of
+    # its fields; compiled against the vocabulary at admission (turnout/engine/input_processor.py)
+    structured_outputs: object | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self):
@@ -120,6 +123,18 @@ class SamplingParams:
         need(self.logits_processors is None or (isinstance(self.logits_processors, (list, tuple))
                                                 and all(callable(f) for f in self.logits_processors)),
              "logits_processors", "must be a list of callables fn(output_token_ids, logits) -> logits")
+        if self.structured_outputs is not None:
+            from turnout.structured.params import StructuredOutputsParams
+
+            so = self.structured_outputs
+            if isinstance(so, dict):  # errors name structured_outputs.<field>
+                bad = next((k for k in so if k not in StructuredOutputsParams.__dataclass_fields__
+                            or k == "field_names"), None)
+                need(bad is None, "structured_outputs", f"unknown field {_short(bad)}")
+                so = StructuredOutputsParams(**so, field_names={k: f"structured_outputs.{k}" for k in so})
+            need(isinstance(so, StructuredOutputsParams), "structured_outputs",
+                 f"must be a StructuredOutputsParams (or a dict of its fields), got {type(so).__name__}")
+            self.structured_outputs = so
         if self.logit_bias is not None:
             lb = self.logit_bias
             need(isinstance(lb, dict), "logit_bias", "must be a mapping of token id to bias")

@@ -1,5 +1,6 @@
-"""From logits to tokens: the per-request stages (logits processors, the grammar bitmask), penalties
-and min_tokens in torch, then the `sample` op, plus logprobs.
+"""From logits to tokens: the per-request stages (logits processors, the grammar bitmask through the
+runner's BitmaskStage and the ``apply_token_bitmask`` op), penalties and min_tokens in torch, then the
+`sample` op, plus logprobs (of the masked logits).
 
 A per-request stage that raises drops its lane from the batch and is reported in
 ``SamplerOutput.faults`` (seq_id -> exception): the engine core fails that request and the other lanes
@@ -9,6 +10,7 @@ go to a pad column that is cut off.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Callable, Protocol
 
@@ -114,7 +116,8 @@ class SamplerOutput:
     faults: dict[int, BaseException] = field(default_factory=dict)
 
 
-def _request_stages(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, dict[int, BaseException]]:
+def _request_stages(ops, logits: torch.Tensor, b: SamplingBatch, grammar_stage
+                    ) -> tuple[torch.Tensor, dict[int, BaseException]]:
     """Run each lane's logits processors, then its grammar's bitmask, on its row. Returns the logits and
     the faults by seq_id (a faulty lane's row is left as it was; the caller drops it)."""
     faults: dict[int, BaseException] = {}
@@ -129,45 +132,45 @@ def _request_stages(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tenso
             logits[lane] = row
         except Exception as e:  # noqa: BLE001 - the request's own code: it fails alone
             faults[b.seq_ids[lane]] = e
-    if b.grammars:
-        vocab = logits.shape[-1]
-        words = (vocab + 31) // 32
-        # [G, ceil(V / 32)] int32: bit t of word w set = token 32 w + t allowed (xgrammar's layout)
-        bitmask = torch.full((len(b.grammars), words), -1, dtype=torch.int32)
-        rows = []
-        for g, (lane, grammar) in enumerate(b.grammars):
-            if b.seq_ids[lane] in faults:
-                continue
-            try:
-                grammar.fill_bitmask(bitmask, g)
-            except Exception as e:  # noqa: BLE001 - the request's grammar: it fails alone
-                faults[b.seq_ids[lane]] = e
-                continue
-            rows.append((lane, g))
-        if rows:
-            bits = torch.arange(32, dtype=torch.int32)
-            allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(b.grammars), words * 32)[:, :vocab]
-            lanes = torch.tensor([lane for lane, _ in rows], device=logits.device)
-            masks = allowed[[g for _, g in rows]].to(logits.device)
-            logits[lanes] = logits[lanes].masked_fill(~masks, float("-inf"))
+    grammars = [(lane, g) for lane, g in b.grammars if b.seq_ids[lane] not in faults]
+    if grammars:
+        if grammar_stage is None:
+            raise ValueError("a batch with grammar lanes needs the runner's grammar stage (BitmaskStage)")
+        # turnout/structured/mask.py: the rows filled on the host, one copy up, the apply_token_bitmask op
+        for lane, e in grammar_stage.apply(ops, logits, grammars).items():
+            faults[b.seq_ids[lane]] = e
     return logits, faults
 
 
-def sample(ops, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    """logits: [R, V] float32 (one row per sequence that reached its end this step)."""
+def _grammar_wins(before: torch.Tensor, after: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Where min_tokens' bans left a grammar lane no token at all (its grammar allows only EOS or a stop
+    id: the text is complete), the grammar wins: that row is sampled without the bans. A structured output
+    stays valid rather than a row of -inf drawing an arbitrary token. ``before``: penalised, unbanned."""
+    lanes = torch.zeros(after.shape[0], dtype=torch.bool)
+    lanes[[lane for lane, _ in b.grammars]] = True
+    dead = (after == float("-inf")).all(-1) & lanes.to(after.device)  # [L]; no sync
+    return torch.where(dead[:, None], before, after)
+
+
+def sample(ops, logits: torch.Tensor, b: SamplingBatch, grammar_stage=None) -> SamplerOutput:
+    """logits: [R, V] float32 (one row per sequence that reached its end this step). ``grammar_stage``: the
+    runner's BitmaskStage (turnout/structured/mask.py), needed when a lane has a grammar."""
     logits = logits.index_select(0, b.rows) if logits.shape[0] != b.rows.shape[0] else logits
     faults: dict[int, BaseException] = {}
     if b.processors or b.grammars:
-        logits, faults = _request_stages(logits, b)
+        logits, faults = _request_stages(ops, logits, b, grammar_stage)
         if faults:  # sample the others as if the faulty lanes had never been there
             keep = [i for i, sid in enumerate(b.seq_ids) if sid not in faults]
             if not keep:
                 return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device), faults=faults)
             b = b.select(keep)
             logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
-    raw = logits
+    raw = logits  # after the processors and the grammar mask: logprobs are of what may be drawn, as vLLM's
     if b.output_ids is not None or b.banned is not None or b.bias_ids is not None:
-        logits = apply_penalties(logits, b)
+        banned = apply_penalties(logits, b)
+        if b.banned is not None and b.grammars:
+            banned = _grammar_wins(apply_penalties(logits, dataclasses.replace(b, banned=None)), banned, b)
+        logits = banned
     tokens = ops.sample(logits.contiguous(), b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
     out = SamplerOutput(tokens, faults=faults)
     if b.want_logprobs:
