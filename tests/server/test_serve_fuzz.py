@@ -12,8 +12,9 @@ odd strings, deep nesting, token-id prompts at and past the vocabulary boundary,
 generations are kept cheap by the server's limits (``--max-model-len``, ``--max-tokens-per-request``).
 
 CI runs ``TURNOUT_FUZZ_EXAMPLES`` bodies per endpoint (default 800); set it higher for a long run, e.g.
-``TURNOUT_FUZZ_EXAMPLES=20000 pytest -s tests/server/test_serve_fuzz.py``. The counts are printed and,
-with ``TURNOUT_FUZZ_REPORT=path``, written there as JSON.
+``TURNOUT_FUZZ_EXAMPLES=20000 pytest -s tests/server/test_serve_fuzz.py``; ``TURNOUT_FUZZ_SEED=N`` draws
+other bodies than CI's fixed ones. The counts are printed and, with ``TURNOUT_FUZZ_REPORT=path``, written
+there as JSON (with which field each 4xx named).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ import time
 import httpx
 import pytest
 from conftest import ServerProcess
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 EXAMPLES = int(os.environ.get("TURNOUT_FUZZ_EXAMPLES", "800"))
 REPORT = os.environ.get("TURNOUT_FUZZ_REPORT")
+SEED = os.environ.get("TURNOUT_FUZZ_SEED")  # unset: the same bodies every run (CI); set: other bodies
 HEALTH_EVERY = 100
 VOCAB = 49152  # SmolLM2-135M
 MAX_MODEL_LEN = 64
@@ -40,6 +42,7 @@ COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 COUNTS: collections.Counter = collections.Counter()
 SECONDS: collections.Counter = collections.Counter()  # time spent per status class
 SLOWEST: list[tuple[float, str]] = []
+PARAMS: collections.Counter = collections.Counter()  # which field each 4xx named
 FAILURES: list[str] = []
 
 
@@ -66,7 +69,8 @@ def _report():
         print(f"  slowest {took:.2f}s: {what}")
     if REPORT:
         with open(REPORT, "w") as f:
-            json.dump({"counts": dict(COUNTS), "seconds": dict(SECONDS), "failures": FAILURES[:50]}, f, indent=1)
+            json.dump({"counts": dict(COUNTS), "seconds": dict(SECONDS), "errors_by_param": dict(PARAMS.most_common()),
+                       "failures": FAILURES[:50]}, f, indent=1)
 
 
 # ------------------------------------------------------------------------------------------ strategies
@@ -269,6 +273,7 @@ def _check(srv, path: str, body) -> None:
         assert set(err) == {"message", "type", "param", "code"}, text
         assert isinstance(err["message"], str) and err["message"], text
         assert _named(err, sent), f"error names no field: {text} for {sent[:300]!r}"
+        PARAMS[f"{status} {err['param'] or err['code']}"] += 1
         return
     assert status == 200, text
     if stream:
@@ -299,8 +304,12 @@ def _maybe_health(srv) -> None:
         _alive(srv)
 
 
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                suppress_health_check=list(HealthCheck))
+_settings = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=SEED is None,
+                     suppress_health_check=list(HealthCheck))
+
+
+def FUZZ(test):
+    return _settings(seed(int(SEED))(test) if SEED is not None else test)
 
 
 @FUZZ
