@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Sequence as Seq
 
 from turnout.config import EngineConfig
 from turnout.engine.llm_engine import LLMEngine
 from turnout.engine.outputs import RequestOutput
+from turnout.engine.rl import GenerationGate, TokenOutput
 from turnout.engine.sampling_params import SamplingParams
 
 
@@ -31,6 +33,7 @@ class LLM:
                                    distributed_executor_backend=distributed_executor_backend)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
+        self._gate = GenerationGate(self.engine)  # pause / abort from another thread (turnout/engine/rl.py)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -51,7 +54,7 @@ class LLM:
         prompts = [self.engine.apply_chat_template(c, add_generation_prompt) for c in convs]
         return self._run(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list, params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params, use_tqdm: bool, request_ids: list[str] | None = None) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -59,8 +62,8 @@ class LLM:
             raise ValueError(f"sampling_params: {len(plist)} given for {len(prompts)} prompts")
         order = {}
         try:
-            for prompt, p in zip(prompts, plist):
-                rid = str(next(self._ids))
+            for i, (prompt, p) in enumerate(zip(prompts, plist)):
+                rid = request_ids[i] if request_ids else str(next(self._ids))
                 self.engine.add_request(rid, prompt, p)
                 order[rid] = len(order)
         except Exception:
@@ -69,12 +72,13 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = _ProgressBar(len(order)) if use_tqdm else None
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step(finished_only=True):
-                    if out.finished:
-                        results[out.request_id] = out
-                        if bar is not None:
-                            bar.done(out)
+            with self._gate.generating():
+                while self.engine.has_unfinished_requests():
+                    for out in self._gate.checkpoint() + self.engine.step(finished_only=True):
+                        if out.finished and out.request_id in order:
+                            results[out.request_id] = out
+                            if bar is not None:
+                                bar.done(out)
         except BaseException:
             self.engine.abort_request([r for r in order if r not in results])
             raise
@@ -82,6 +86,68 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[r] for r in sorted(order, key=order.get)]
+
+    # ---- RL rollout (turnout/engine/rl.py; docs/architecture.md "RL rollout") ---------------------------
+    def generate_tokens(self, prompt_ids, sampling_params: SamplingParams | None = None,
+                        request_id: str | None = None) -> TokenOutput | list[TokenOutput]:
+        """Token ids in, token ids out: one prompt (a list of ids) -> a TokenOutput with the sampled tokens,
+        the logprob of each and the stop reason ("completed" | "aborted"); a list of prompts -> a list.
+        ``request_id`` (one prompt only) names the request in logs and outputs."""
+        one = isinstance(prompt_ids, (list, tuple)) and (not prompt_ids or isinstance(prompt_ids[0], int))
+        prompts = [list(prompt_ids)] if one else [list(p) for p in prompt_ids]
+        if request_id is not None and not one:
+            raise ValueError("request_id: only for a single prompt")
+        params = sampling_params or SamplingParams()
+        if params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)  # the sampled token's logprob, no top-N
+        outs = self._run(prompts, params, use_tqdm=False, request_ids=[request_id] if request_id else None)
+        toks = [TokenOutput.from_request_output(o) for o in outs]
+        return toks[0] if one else toks
+
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory between rollouts: level 1 moves the weights to host memory (pinned) and
+        discards the KV cache; level 2 discards both (push weights with update_weights after wake_up)."""
+        self._gate.check_quiet("sleep")
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both)."""
+        self._gate.check_quiet("wake_up")
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def update_weights(self, weights) -> list[str]:
+        """Overwrite weights from (HF checkpoint name, full tensor) pairs (an iterable, e.g.
+        ``trainer_model.named_parameters()``, or a dict): any subset, any order, per-expert or stacked MoE
+        tensors, tied embeddings. All or nothing: an unknown name or a wrong shape is a ValueError naming the
+        tensor, with the model unchanged. The prefix cache is reset. Returns the parameter names written."""
+        self._gate.check_quiet("update_weights")
+        return self.engine.update_weights(weights)
+
+    def reset_prefix_cache(self) -> int:
+        self._gate.check_quiet("reset_prefix_cache")
+        return self.engine.reset_prefix_cache()
+
+    clear_kv_cache = reset_prefix_cache
+
+    def abort_all_requests(self) -> list[RequestOutput]:
+        """End every unfinished request (a generate() in another thread returns them with
+        finish_reason "abort" and their partial tokens); generation stays paused until resume_generation()."""
+        return self._gate.pause("abort")
+
+    def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
+        """"abort": as abort_all_requests; "keep": a running generate() parks between two steps (this returns
+        once it has) and continues after resume_generation(), e.g. with new weights."""
+        return self._gate.pause(mode)
+
+    def resume_generation(self) -> None:
+        self._gate.resume()
+
+    def collective_rpc(self, method, args=(), kwargs=None) -> list:
+        """``method`` (a worker method name, or a callable taking the worker first) on every rank."""
+        return self.engine.executor.collective_rpc(method, args, kwargs)
 
 
 class _ProgressBar:

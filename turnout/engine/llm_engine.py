@@ -16,6 +16,7 @@ from turnout.engine.core import EngineCore, EngineStats
 from turnout.engine.input_processor import ContextLengthError, InputProcessor
 from turnout.engine.output_processor import OutputProcessor
 from turnout.engine.outputs import RequestOutput
+from turnout.engine.rl import RolloutControl
 from turnout.engine.sampling_params import SamplingParams
 from turnout.engine.scheduler import Scheduler
 from turnout.engine.sequence import Sequence
@@ -83,6 +84,7 @@ class LLMEngine:
         is_async = self.platform.is_gpu if config.async_scheduling is None else config.async_scheduling
         self.core = EngineCore(scheduler, self.runner, self.eos_ids, self.max_model_len, is_async)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
+        self.rl = RolloutControl(self)  # sleep / wake, weight updates, pause / resume (turnout/engine/rl.py)
         logger.info("engine ready in %.1fs: %s on %s (%s), dtype %s, max_model_len %d, %d KV blocks, "
                     "async scheduling %s, PDL %s", time.perf_counter() - t0, self.model_name, self.platform.name,
                     self.platform.description, loaded.dtype, self.max_model_len, self.runner.num_blocks,
@@ -127,6 +129,7 @@ class LLMEngine:
         """Admit a request (ValueError naming the field if it cannot be served as asked)."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already running")
+        self.rl.check_can_admit()  # RuntimeError while sleeping or paused
         now = time.time() if arrival_time is None else arrival_time
         req = self.input_processor.process(request_id, prompt, params, now)
         p = req.params
@@ -167,6 +170,8 @@ class LLMEngine:
         With async scheduling, the next decode step is launched before this step's tokens are read
         back (EngineCore), so the device never waits for the host in steady decoding. A fault traced to
         one request fails that request only (its output has ``finish_reason == "error"``)."""
+        if self.rl.paused is not None:  # pause_generation(mode="keep"): the requests wait where they are
+            return []
         core_out = self.core.step()
         now = time.time()
         out = self.output_processor
@@ -180,3 +185,28 @@ class LLMEngine:
         outputs, ended, failed = out.process(core_out, now, finished_only)
         self.core.update(ended, failed)
         return outputs
+
+    # ---- the RL control plane (turnout/engine/rl.py; each reaches every rank through collective_rpc) -----
+    def sleep(self, level: int = 1) -> None:
+        self.rl.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.rl.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.rl.is_sleeping()
+
+    def update_weights(self, weights) -> list[str]:
+        return self.rl.update_weights(weights)
+
+    def reset_prefix_cache(self) -> int:
+        return self.rl.reset_prefix_cache()
+
+    def abort_all_requests(self) -> list[RequestOutput]:
+        return self.rl.abort_all_requests()
+
+    def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
+        return self.rl.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        self.rl.resume_generation()

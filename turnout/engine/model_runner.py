@@ -10,6 +10,7 @@ import time
 import torch
 
 from turnout.engine.cuda_graphs import maybe_capture
+from turnout.engine.rank_memory import RankMemory
 from turnout.layers.attention import AttentionMetadata
 from turnout.engine.sequence import SequenceFaults
 from turnout.layers.sampler import SamplerOutput, SamplingBatch, sample
@@ -67,6 +68,8 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_bytes / 2**30, self.dtype)
         self.graphs = maybe_capture(self)  # None: every step runs eagerly
+        # Sleep / wake and in-place weight updates of this rank (the RL control plane; collective_rpc reaches it)
+        self.memory = RankMemory(self)
         self.grammar_stage = None  # made by _grammar_stage() when a grammar lane first samples
 
     @property
