@@ -164,6 +164,13 @@ class RankMemory:
         return self.resident_bytes()
 
     # ---- weight updates ----------------------------------------------------------------------------
+    def check_weights(self, weights) -> None:
+        """The all-or-nothing check alone (the engine runs it on the driver rank before any rank writes, so a
+        bad tensor is a ValueError from the caller's own process, whatever the executor)."""
+        from turnout.models.weight_map import check_weights
+
+        check_weights(self.runner.model, weights)
+
     def update_weights(self, weights) -> list[str]:
         """(HF checkpoint name, full tensor) pairs into this rank's shard, in place, all or nothing
         (turnout/models/weight_map.py ``update_weights``). Returns the parameter names written."""

@@ -116,6 +116,10 @@ class RolloutControl:
         for i, item in enumerate(items):
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
                 raise ValueError(f"weights[{i}]: expected a (name, tensor) pair, got {type(item).__name__}")
+        if self.weights_asleep:
+            raise RuntimeError("update_weights: the weights are asleep (sleep() was called); "
+                               "wake_up(tags=['weights']) first")
+        self.engine.runner.memory.check_weights(items)  # rank 0, in this process: raises before any rank writes
         written = self._rpc(rank_memory.update_weights_rank, items)[0]
         self.reset_prefix_cache()
         return written

@@ -112,15 +112,10 @@ def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     parameter (the loaders' own shape, shard and range checks, nothing written), and only when all pass are
     they written. An unknown name or a tensor that does not fit is a ValueError naming it, the model unchanged.
     """
-    items = list(weights)
+    items = check_weights(model, weights)
     rules = _compile_rules(model)
     ignored = [re.compile(p) for p in (*ALWAYS_IGNORED, *getattr(model, "ignored_weights", ()))]
     with torch.no_grad():
-        with _meta_stand_ins(model) as meta_params:
-            for name, tensor in items:
-                if not isinstance(tensor, torch.Tensor):
-                    raise ValueError(f"weight {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-                _load_one(model, meta_params, rules, ignored, name, tensor.to("meta"))
         params = dict(model.named_parameters())
         written = set()
         for name, tensor in items:
@@ -128,6 +123,21 @@ def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
             if loaded is not None:
                 written.add(loaded[0])
     return written
+
+
+def check_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``update_weights``'s first half: every tensor through its loader against meta-device stand-ins of the
+    parameters; nothing written. ValueError naming the first tensor that has no place or does not fit.
+    Returns the pairs as a list (the iterable is consumed)."""
+    items = list(weights)
+    rules = _compile_rules(model)
+    ignored = [re.compile(p) for p in (*ALWAYS_IGNORED, *getattr(model, "ignored_weights", ()))]
+    with torch.no_grad(), _meta_stand_ins(model) as meta_params:
+        for name, tensor in items:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"weight {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+            _load_one(model, meta_params, rules, ignored, name, tensor.to("meta"))
+    return items
 
 
 class _meta_stand_ins:
