@@ -386,3 +386,31 @@ def test_update_while_generating_in_another_thread_is_refused(dense):
     t.join(60)
     assert box["out"].stop_reason == "aborted"
     llm.resume_generation()
+
+
+def test_update_weights_from_disk(dense, tmp_path):
+    from safetensors.torch import save_file
+
+    _, path = dense
+    hf = _fresh_hf(path)
+    llm = LLM(path, **KW)
+    before = llm.generate_tokens(PROMPTS, GREEDY)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "step1", safe_serialization=True, max_shard_size="100KB")  # sharded
+    assert llm.update_weights_from_disk(str(tmp_path / "step1"))
+    _check_matches_hf(llm, hf)
+    # a checkpoint with one tensor of the wrong shape: refused from the headers, nothing written
+    bad = {n: t.detach().clone() for n, t in _fresh_hf(path).named_parameters()}
+    bad["model.layers.1.self_attn.o_proj.weight"] = torch.zeros(64, 63)
+    (tmp_path / "bad").mkdir()
+    save_file(bad, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.o_proj\.weight"):
+        llm.update_weights_from_disk(str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match="safetensors"):
+        llm.update_weights_from_disk(str(tmp_path / "nothing_here"))
+    _check_matches_hf(llm, hf)  # still the step-1 weights
+    llm.update_weights_from_disk(path)  # back to the original checkpoint
+    after = llm.generate_tokens(PROMPTS, GREEDY)
+    assert [(o.token_ids, o.logprobs) for o in after] == [(o.token_ids, o.logprobs) for o in before]

@@ -126,6 +126,11 @@ class LLM:
         self._gate.check_quiet("update_weights")
         return self.engine.update_weights(weights)
 
+    def update_weights_from_disk(self, path: str) -> list[str]:
+        """As update_weights, from a safetensors checkpoint directory (every rank reads it itself)."""
+        self._gate.check_quiet("update_weights_from_disk")
+        return self.engine.update_weights_from_disk(path)
+
     def reset_prefix_cache(self) -> int:
         self._gate.check_quiet("reset_prefix_cache")
         return self.engine.reset_prefix_cache()

@@ -199,6 +199,9 @@ class LLMEngine:
     def update_weights(self, weights) -> list[str]:
         return self.rl.update_weights(weights)
 
+    def update_weights_from_disk(self, path: str) -> list[str]:
+        return self.rl.update_weights_from_disk(path)
+
     def reset_prefix_cache(self) -> int:
         return self.rl.reset_prefix_cache()
 

@@ -28,6 +28,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -210,6 +211,40 @@ def wake_up_rank(worker, tags=None) -> dict[str, int]:
 
 def update_weights_rank(worker, weights) -> list[str]:
     return worker.runner.memory.update_weights(weights)
+
+
+def update_weights_from_disk_rank(worker, files: list[str]) -> list[str]:
+    """Each rank reads the checkpoint itself (nothing crosses the pipes), tensor by tensor; the engine checked
+    the names and shapes from the files' headers first."""
+    from turnout.loader.safetensors import iter_safetensors
+    from turnout.models.weight_map import update_weights
+
+    mem = worker.runner.memory
+    if mem.weights_asleep:
+        raise RuntimeError("update_weights_from_disk: the weights are asleep; wake_up(tags=['weights']) first")
+    written = update_weights(worker.runner.model, iter_safetensors([Path(f) for f in files]), checked=True)
+    mem.weights_discarded = False
+    return sorted(written)
+
+
+def checkpoint_headers(files: list[Path]) -> list[tuple[str, torch.Tensor]]:
+    """(name, meta tensor of the stored shape and dtype) for every tensor of the files, from their headers
+    only (no tensor data read)."""
+    from safetensors import safe_open
+
+    out = []
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                dtype = _ST_DTYPES.get(sl.get_dtype(), torch.uint8)  # unknown: an integer, refused by the check
+                out.append((name, torch.empty(sl.get_shape(), dtype=dtype, device="meta")))
+    return out
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def resident_bytes_rank(worker) -> dict[str, int]:

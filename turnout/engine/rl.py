@@ -124,6 +124,23 @@ class RolloutControl:
         self.reset_prefix_cache()
         return written
 
+    def update_weights_from_disk(self, path: str) -> list[str]:
+        """Every tensor of a safetensors checkpoint directory (HF names; a subset of the model's is fine).
+        Names, shapes and dtypes are checked from the files' headers on the driver rank; then each rank
+        streams the files itself."""
+        from turnout.loader.safetensors import safetensors_files
+
+        if self.weights_asleep:
+            raise RuntimeError("update_weights_from_disk: the weights are asleep (sleep() was called); "
+                               "wake_up(tags=['weights']) first")
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"path: a checkpoint directory, got {path!r}")
+        files = safetensors_files(path)  # ValueError naming the directory when it holds no checkpoint
+        self.engine.runner.memory.check_weights(rank_memory.checkpoint_headers(files))
+        written = self._rpc(rank_memory.update_weights_from_disk_rank, [str(f) for f in files])[0]
+        self.reset_prefix_cache()
+        return written
+
     def reset_prefix_cache(self) -> int:
         """Make every cached prefix unreachable (blocks in use included). Returns the blocks forgotten."""
         return self.engine.block_manager.forget_prefix_cache()

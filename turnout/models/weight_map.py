@@ -102,7 +102,7 @@ def _load_one(model, params, rules, ignored, name: str, tensor: torch.Tensor) ->
     return target, shard_id
 
 
-def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], checked: bool = False) -> set[str]:
     """Overwrite some of ``model``'s parameters from ``(checkpoint name, full tensor)`` pairs (any subset, any
     order) through the same map and loaders as ``load_weights``, in place: every parameter keeps its storage
     and strides, so a re-layout done after the load (K-major CPU weights, turnout/layers/layout.py) and every
@@ -111,8 +111,10 @@ def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     All-or-nothing: every tensor is first run through its loader against a meta-device stand-in of its
     parameter (the loaders' own shape, shard and range checks, nothing written), and only when all pass are
     they written. An unknown name or a tensor that does not fit is a ValueError naming it, the model unchanged.
+    ``checked``: the caller ran ``check_weights`` on the same names and shapes already (meta tensors made from a
+    checkpoint's headers), so ``weights`` is only iterated once, writing.
     """
-    items = check_weights(model, weights)
+    items = weights if checked else check_weights(model, weights)  # checked: streamed once, e.g. from disk
     rules = _compile_rules(model)
     ignored = [re.compile(p) for p in (*ALWAYS_IGNORED, *getattr(model, "ignored_weights", ()))]
     with torch.no_grad():
