@@ -306,6 +306,20 @@ class _Slow:
         return logits
 
 
+def _slow_steps(llm, after=4):
+    """Slow every engine step of ``llm`` a little and mark when ``after`` have run (an event like _Slow's)."""
+    runner, mark = llm.engine.runner, _Slow(after)
+    execute, calls = runner.execute, []
+
+    def slow_execute(*args, **kwargs):
+        calls.append(1)
+        mark(calls, None)
+        return execute(*args, **kwargs)
+
+    runner.execute = slow_execute  # the instance's: the engine core calls it for every step
+    return mark
+
+
 def _in_thread(fn, *args):
     box = {}
 
@@ -327,11 +341,12 @@ def _wait_reached(slow, t, box):
         assert t.is_alive() and time.monotonic() < deadline, box.get("err", "generate() ended early")
 
 
-def test_abort_all_during_generation_then_resume(dense):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_all_during_generation_then_resume(dense, async_scheduling):
     _, path = dense
-    llm = LLM(path, **KW)
-    slow = _Slow()
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logits_processors=[slow])
+    llm = LLM(path, async_scheduling=async_scheduling, **KW)
+    slow = _slow_steps(llm)  # no logits processor: lookahead steps stay on with async scheduling
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     t, box = _in_thread(llm.generate_tokens, PROMPTS, params)
     _wait_reached(slow, t, box)
     aborted = llm.abort_all_requests()
@@ -342,6 +357,7 @@ def test_abort_all_during_generation_then_resume(dense):
     assert {o.request_id for o in aborted} == {o.request_id for o in outs}
     for o in outs:
         assert 3 <= len(o.token_ids) < 200 and len(o.logprobs) == len(o.token_ids)  # the partial tokens
+    assert (llm.engine.num_lookahead_steps > 0) == async_scheduling
     with pytest.raises(RuntimeError, match="paused"):
         llm.generate_tokens(PROMPTS[0], GREEDY)
     llm.resume_generation()
