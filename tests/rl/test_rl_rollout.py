@@ -430,3 +430,43 @@ def test_update_weights_from_disk(dense, tmp_path):
     llm.update_weights_from_disk(path)  # back to the original checkpoint
     after = llm.generate_tokens(PROMPTS, GREEDY)
     assert [(o.token_ids, o.logprobs) for o in after] == [(o.token_ids, o.logprobs) for o in before]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_update_weights_from_distributed_broadcast(dense):
+    """The trainer (rank 0 of its own gloo group, in a thread here) broadcasts; the engine receives and writes."""
+    from turnout.engine.weight_broadcast import broadcast_weights, stateless_group
+
+    _, path = dense
+    hf = _fresh_hf(path)
+    llm = LLM(path, **KW)
+    port = free_port()
+    trainer, tbox = _in_thread(stateless_group, "127.0.0.1", port, 0, 2, "gloo")
+    assert llm.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=2) == [1]
+    trainer.join(30)
+    group = tbox["out"]
+    for step in range(2):
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        named = list(hf.named_parameters())
+        sender, sbox = _in_thread(broadcast_weights, group, named)
+        llm.update_weights_from_distributed([n for n, _ in named], [t.dtype for _, t in named],
+                                            [tuple(t.shape) for _, t in named])
+        sender.join(30)
+        assert "err" not in sbox, sbox.get("err")
+        _check_matches_hf(llm, hf)
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):  # checked before anything is received
+        llm.update_weights_from_distributed(["model.norm.weight"], ["float32"], [(65,)])
+    with pytest.raises(ValueError, match="dtypes"):
+        llm.update_weights_from_distributed(["model.norm.weight"], ["float33"], [(64,)])
+    with pytest.raises(ValueError, match="rank_offset"):
+        llm.init_weight_update_group("127.0.0.1", port, rank_offset=0, world_size=2)
+    _check_matches_hf(llm, hf)

@@ -13,7 +13,10 @@ from turnout import LLM  # noqa: E402
 from turnout.engine import rank_memory  # noqa: E402
 
 # tests/rl is on sys.path, as pytest puts a test file's directory there
-from test_rl_rollout import GREEDY, PROMPTS, _check_matches_hf, _dense_config, _save  # noqa: E402
+from test_rl_rollout import (GREEDY, PROMPTS, _check_matches_hf, _dense_config, _in_thread, _save,  # noqa: E402
+                             free_port)
+
+from turnout.engine.weight_broadcast import broadcast_weights, stateless_group  # noqa: E402
 
 
 def test_tp2_update_sleep_wake(tmp_path):
@@ -47,5 +50,20 @@ def test_tp2_update_sleep_wake(tmp_path):
         llm.wake_up(["kv_cache"])
         again = llm.generate_tokens(PROMPTS, GREEDY)
         assert [(o.token_ids, o.logprobs) for o in again] == [(o.token_ids, o.logprobs) for o in before]
+        # the broadcast transport: the trainer is rank 0 of a gloo group of 3, the engine's ranks 1 and 2
+        port = free_port()
+        trainer, tbox = _in_thread(stateless_group, "127.0.0.1", port, 0, 3, "gloo")
+        assert llm.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=3) == [1, 2]
+        trainer.join(60)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.mul_(0.97)
+        named = list(hf.named_parameters())
+        sender, sbox = _in_thread(broadcast_weights, tbox["out"], named)
+        llm.update_weights_from_distributed([n for n, _ in named], [t.dtype for _, t in named],
+                                            [tuple(t.shape) for _, t in named])
+        sender.join(60)
+        assert "err" not in sbox, sbox.get("err")
+        print(f"TP=2 after a broadcast push: logprob mismatch {_check_matches_hf(llm, hf):.2e}")
     finally:
         executor.shutdown()

@@ -131,6 +131,19 @@ class LLM:
         self._gate.check_quiet("update_weights_from_disk")
         return self.engine.update_weights_from_disk(path)
 
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 backend: str = "gloo") -> list[int]:
+        """Join a trainer's torch.distributed broadcast group (the trainer is rank 0 and hosts the store at
+        master_address:master_port; engine rank r is rank_offset + r). Returns the engine ranks' group ranks."""
+        self._gate.check_quiet("init_weight_update_group")
+        return self.engine.init_weight_update_group(master_address, master_port, rank_offset, world_size, backend)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
+        """Receive tensors the trainer broadcasts (``turnout.engine.weight_broadcast.broadcast_weights``), in
+        the order of ``names``, and write them as update_weights does."""
+        self._gate.check_quiet("update_weights_from_distributed")
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes)
+
     def reset_prefix_cache(self) -> int:
         self._gate.check_quiet("reset_prefix_cache")
         return self.engine.reset_prefix_cache()

@@ -202,6 +202,13 @@ class LLMEngine:
     def update_weights_from_disk(self, path: str) -> list[str]:
         return self.rl.update_weights_from_disk(path)
 
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 backend: str = "gloo") -> list[int]:
+        return self.rl.init_weight_update_group(master_address, master_port, rank_offset, world_size, backend)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
+        return self.rl.update_weights_from_distributed(names, dtypes, shapes)
+
     def reset_prefix_cache(self) -> int:
         return self.rl.reset_prefix_cache()
 

@@ -68,6 +68,7 @@ class RankMemory:
         self.kv_asleep = False
         self.weights_discarded = False  # woken from sleep(2): values undefined until an update writes them
         self._saved: dict[str, _Saved] = {}
+        self.weight_group = None  # the trainer's broadcast group (turnout/engine/weight_broadcast.py), once joined
 
     @property
     def is_sleeping(self) -> bool:
@@ -245,6 +246,44 @@ def checkpoint_headers(files: list[Path]) -> list[tuple[str, torch.Tensor]]:
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def init_weight_update_group_rank(worker, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, backend: str = "gloo") -> int:
+    """Join the trainer's broadcast group as ``rank_offset + worker.rank``; returns that rank."""
+    from turnout.engine.weight_broadcast import stateless_group
+
+    mem = worker.runner.memory
+    rank = rank_offset + worker.rank
+    mem.weight_group = stateless_group(master_address, master_port, rank, world_size, backend,
+                                       device=worker.runner.device if backend == "nccl" else None)
+    return rank
+
+
+def update_weights_from_distributed_rank(worker, names, dtypes, shapes) -> list[str]:
+    """Receive each announced tensor from the trainer (rank 0 of the group), then write them all; the engine
+    checked the names and shapes against the model before any rank received."""
+    from turnout.engine.weight_broadcast import broadcast, meta_weights
+    from turnout.models.weight_map import update_weights
+
+    mem, r = worker.runner.memory, worker.runner
+    if mem.weight_group is None:
+        raise RuntimeError("update_weights_from_distributed: init_weight_update_group() first")
+    dev = r.device if mem.weight_group.backend == "nccl" else torch.device("cpu")  # gloo receives on the host
+    items = []
+    for name, meta in meta_weights(names, dtypes, shapes):
+        buf = torch.empty(meta.shape, dtype=meta.dtype, device=dev)
+        broadcast(mem.weight_group, buf)
+        items.append((name, buf))
+    written = update_weights(r.model, items, checked=True)
+    mem.weights_discarded = False
+    if r.device.type == "cuda":
+        torch.cuda.synchronize(r.device)
+    return sorted(written)
+
+
+def destroy_weight_update_group_rank(worker) -> None:
+    worker.runner.memory.weight_group = None
 
 
 def resident_bytes_rank(worker) -> dict[str, int]:

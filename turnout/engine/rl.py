@@ -141,6 +141,38 @@ class RolloutControl:
         self.reset_prefix_cache()
         return written
 
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 backend: str = "gloo") -> list[int]:
+        """Every engine rank joins the trainer's broadcast group (turnout/engine/weight_broadcast.py) as
+        ``rank_offset + its rank``; blocks until the trainer (rank 0, hosting the store) has joined too."""
+        from turnout.engine.weight_broadcast import BACKENDS
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: one of {list(BACKENDS)}, got {backend!r}")
+        n = self.engine.executor.world_size
+        if not (isinstance(rank_offset, int) and rank_offset >= 1 and rank_offset + n <= world_size):
+            raise ValueError(f"rank_offset: engine ranks {rank_offset}..{rank_offset + n - 1} must lie in "
+                             f"[1, world_size={world_size}) (the trainer is rank 0)")
+        return self._rpc(rank_memory.init_weight_update_group_rank, master_address, int(master_port), rank_offset,
+                         world_size, backend)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
+        """Receive the announced tensors (in this order) from the trainer's broadcasts, then write them: as
+        ``update_weights``, the names and shapes checked before any rank receives."""
+        from turnout.engine.weight_broadcast import meta_weights
+
+        if self.weights_asleep:
+            raise RuntimeError("update_weights_from_distributed: the weights are asleep (sleep() was called); "
+                               "wake_up(tags=['weights']) first")
+        self.engine.runner.memory.check_weights(meta_weights(names, dtypes, shapes))
+        written = self._rpc(rank_memory.update_weights_from_distributed_rank, list(names),
+                            [str(d) for d in dtypes], [tuple(int(x) for x in s) for s in shapes])[0]
+        self.reset_prefix_cache()
+        return written
+
+    def destroy_weight_update_group(self) -> None:
+        self._rpc(rank_memory.destroy_weight_update_group_rank)
+
     def reset_prefix_cache(self) -> int:
         """Make every cached prefix unreachable (blocks in use included). Returns the blocks forgotten."""
         return self.engine.block_manager.forget_prefix_cache()
