@@ -146,9 +146,10 @@ def _grammar_wins(before: torch.Tensor, after: torch.Tensor, b: SamplingBatch) -
     """Where min_tokens' bans left a grammar lane no token at all (its grammar allows only EOS or a stop
     id: the text is complete), the grammar wins: that row is sampled without the bans. A structured output
     stays valid rather than a row of -inf drawing an arbitrary token. ``before``: penalised, unbanned."""
-    lanes = torch.zeros(after.shape[0], dtype=torch.bool)
+    cuda = after.device.type == "cuda"
+    lanes = torch.zeros(after.shape[0], dtype=torch.bool, pin_memory=cuda)
     lanes[[lane for lane, _ in b.grammars]] = True
-    dead = (after == float("-inf")).all(-1) & lanes.to(after.device)  # [L]; no sync
+    dead = (after == float("-inf")).all(-1) & lanes.to(after.device, non_blocking=cuda)  # [L]; no host sync
     return torch.where(dead[:, None], before, after)
 
 

@@ -81,6 +81,10 @@ class BitmaskStage:
         lanes, faults = self.fill(grammars, host)
         if not lanes:
             return faults
+        if self.device.type == "cpu":
+            # No copy to save on the host, and the op's cost there is per row masked: only the constrained rows.
+            ops.apply_token_bitmask(logits, host[:rows], torch.tensor(lanes, dtype=torch.int64))
+            return faults
         # Every other row allows everything: the kernel then moves none of its logits, and one copy of
         # [L, W] words replaces a mask copy plus an index copy.
         keep = torch.zeros(rows, dtype=torch.bool)
