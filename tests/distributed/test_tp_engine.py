@@ -109,3 +109,32 @@ def test_cli_flag_reaches_the_config():
     assert serve_cmd.build_config(args).tensor_parallel_size == 2
     for sub in (["generate", "hi"], ["bench", "latency"]):
         assert cli.build_parser().parse_args([*sub, "--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+
+
+def test_a_killed_worker_fails_the_engine_naming_its_rank(tiny_path):
+    """No hang: rank 1 killed mid-generation ends the step with an error that names it, in seconds."""
+    import os
+    import signal
+    import threading
+    import time
+
+    llm = LLM(tiny_path, tensor_parallel_size=2, kv_cache_memory=4 << 20)
+    proc = llm.engine.executor._procs[0]
+    timer = threading.Timer(1.0, os.kill, (proc.pid, signal.SIGKILL))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+, exit code -9\) died"):
+            llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - t0 < 30
+    finally:
+        timer.cancel()
+        llm.engine.executor.shutdown()
+
+
+def test_a_shape_that_does_not_split_is_a_start_up_error(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(ValueError, match=r"num_(kv_)?heads 3 is not divisible by tensor-parallel size 2"):
+        LLM(str(tmp_path), tensor_parallel_size=2, kv_cache_memory=1 << 20)

@@ -30,7 +30,7 @@ def kv_geometry(hf_config) -> tuple[int, int, int]:
 
 
 class ModelRunner:
-    def __init__(self, config, platform, ops, loaded):
+    def __init__(self, config, platform, ops, loaded, step_publisher=None):
         self.config = config
         self.platform = platform
         self.ops = ops
@@ -53,7 +53,7 @@ class ModelRunner:
         self.num_kv_heads = getattr(self.model, "kv_heads_per_rank", self.num_kv_heads)
         # The mp executor's StepPublisher (turnout/executor/multiproc.py): this rank drives the others; None
         # in a world of one.
-        self.step_publisher = None
+        self.step_publisher = step_publisher
         if self.device.type == "cpu":
             from turnout.layers.layout import use_k_major_weights
 

@@ -5,7 +5,7 @@ case, so scheduling, the sampler and every per-request stage (penalties, logits 
 which are Python objects of the requests) stay where the requests are, and only rank 0 samples. Ranks
 1..N-1 are spawned processes (``turnout.worker.worker.worker_main``), one per rank, each with its device, model
 shard and KV shard. Each step the driver's runner hands this executor the step's host inputs once
-(``StepPublisher``), and one flat int64 message (turnout/worker/step_codec.py) goes to every other rank over
+(``StepPublisher``, given to it when it is built), and one flat int64 message (turnout/worker/step_codec.py) goes to every other rank over
 its private pipe: no per-request object, no pickle on the per-step path. A lookahead step's input tokens (still
 on the driver's device) are broadcast over the TP group. The rendezvous is a file store in a private temporary
 directory, so no store socket listens at all (gloo's own pair sockets follow the host name, 127.0.0.1 here; set
@@ -22,6 +22,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
 import weakref
 
 import torch
@@ -78,23 +79,47 @@ class MultiprocExecutor:
             self._from.append(from_r)
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._to, self._dir)
+        watchdog = threading.Thread(target=self._watch_start_up, daemon=True, name="turnout-tp-start-up")
+        self._starting = True
+        watchdog.start()
         try:
-            self.worker = Worker(config, rank=0, world_size=world, init_method=init_method, platform=platform, ops=ops)
-            blocks = [self.worker.runner.num_blocks]
-            for rank, conn in enumerate(self._from, start=1):
-                status, value = conn.recv()
-                if status != "ready":
-                    raise RuntimeError(f"tensor-parallel worker failed to start: {value}")
-                blocks.append(value)
+            self.worker = Worker(config, rank=0, world_size=world, init_method=init_method, platform=platform,
+                                 ops=ops, runner=False)
+            self._expect("loaded")  # every shard is in memory before the runners' collectives (memory profile)
+            self.worker.build_runner(step_publisher=StepPublisher(self._to, self.worker.tp.group))
+            blocks = [self.worker.runner.num_blocks] + self._expect("ready")
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            self._starting = False
         self.loaded = self.worker.loaded
-        self.runner = self.worker.runner
-        self.runner.step_publisher = StepPublisher(self._to, self.worker.tp.group)
+        self.runner = _DriverRunner(self.worker.runner, self._procs)
         self.num_blocks = min(blocks)
         logger.info("tensor parallel: %d ranks (%s), %d KV blocks (the least of %s)", world,
                     platform.dist_backend, self.num_blocks, blocks)
+
+    def _expect(self, status: str) -> list:
+        values = []
+        for conn in self._from:
+            got, value = conn.recv()
+            if got != status:
+                raise RuntimeError(f"tensor-parallel worker failed to start: {value}")
+            values.append(value)
+        return values
+
+    def _watch_start_up(self) -> None:
+        """A rank that dies during start-up leaves the others waiting in the rendezvous (until its timeout):
+        say at once which one, and how it ended."""
+        import time
+
+        while self._starting:
+            for rank, p in enumerate(self._procs, start=1):
+                if p.exitcode is not None and self._starting:
+                    logger.error("tensor-parallel worker rank %d (pid %d) exited with code %s during start-up",
+                                 rank, p.pid, p.exitcode)
+                    return
+            time.sleep(0.2)
 
     def collective_rpc(self, method, args=(), kwargs=None) -> list:
         """``method`` (a Worker method name, or an importable callable taking the worker first) on every rank,
@@ -123,6 +148,34 @@ class MultiprocExecutor:
         from turnout.distributed import destroy_distributed
 
         destroy_distributed()
+
+
+class _DriverRunner:
+    """Rank 0's ModelRunner as the engine core sees it: the same object (every attribute is its own), except
+    that a step failing because another rank is gone says which rank."""
+
+    def __init__(self, runner, procs):
+        self._runner, self._procs = runner, procs
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def execute(self, *args, **kwargs):
+        try:
+            return self._runner.execute(*args, **kwargs)
+        except Exception as e:
+            from multiprocessing.connection import wait
+
+            # A peer's reset can arrive before its exit; its pipe closes before it can be reaped.
+            gone = set(wait([p.sentinel for p in self._procs], timeout=2.0))
+            for p in self._procs:
+                if p.sentinel in gone:
+                    p.join(timeout=2.0)
+            dead = [(rank, p.pid, p.exitcode) for rank, p in enumerate(self._procs, start=1) if p.exitcode is not None]
+            if dead:
+                ranks = ", ".join(f"rank {r} (pid {pid}, exit code {code})" for r, pid, code in dead)
+                raise RuntimeError(f"tensor-parallel worker {ranks} died: {type(e).__name__}: {e}") from e
+            raise
 
 
 def _shutdown(procs, conns, rdzv_dir) -> None:

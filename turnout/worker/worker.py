@@ -23,10 +23,13 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
+    """``Worker(...)`` joins the group and loads this rank's shard; ``build_runner()`` then makes the model runner
+    (KV cache, memory profile and CUDA graphs: collectives on a GPU, so every rank must have loaded first).
+    ``runner=True`` does both at once."""
+
     def __init__(self, config, *, rank: int = 0, world_size: int = 1, init_method: str | None = None,
-                 platform=None, ops=None):
+                 platform=None, ops=None, runner: bool = True):
         from turnout.distributed import init_distributed
-        from turnout.engine.model_runner import ModelRunner
         from turnout.layers.fusion import plan_fusions
         from turnout.loader import load_model
         from turnout.ops import Policy, resolve
@@ -52,7 +55,16 @@ class Worker:
         self.loaded = load_model(config.model, load_format=config.load_format, dtype=config.dtype, device=self.device,
                                  ops=self.ops, seed=config.seed, tokenizer=config.tokenizer,
                                  plan=plan_fusions(self.ops), tp=self.tp if world_size > 1 else None)
-        self.runner = ModelRunner(config, self.platform, self.ops, self.loaded)
+        self.runner = None
+        if runner:
+            self.build_runner()
+
+    def build_runner(self, step_publisher=None):
+        """``step_publisher``: on the driver rank of several, what sends each step's inputs to the others."""
+        from turnout.engine.model_runner import ModelRunner
+
+        self.runner = ModelRunner(self.config, self.platform, self.ops, self.loaded, step_publisher=step_publisher)
+        return self.runner
 
     # ---- reachable through collective_rpc -------------------------------------------------------
     def describe(self) -> dict:
@@ -126,10 +138,14 @@ def worker_main(rank: int, world_size: int, init_method: str, config, conn_in, c
     """Entry point of a spawned rank: build the worker, say ready (with its KV block count) or why not, serve."""
     from turnout.distributed import destroy_distributed
 
+    stage = "start-up"
     try:
-        worker = Worker(config, rank=rank, world_size=world_size, init_method=init_method)
+        worker = Worker(config, rank=rank, world_size=world_size, init_method=init_method, runner=False)
+        conn_out.send(("loaded", None))
+        stage = "building the model runner"
+        worker.build_runner()
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which fails its start-up with it
-        conn_out.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        conn_out.send(("error", f"rank {rank}, {stage}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
     conn_out.send(("ready", worker.runner.num_blocks))
     try:
