@@ -173,3 +173,17 @@ def test_a_model_without_a_tokenizer_refuses_structured_output(tmp_path):
     with pytest.raises(ValueError, match=r"^structured_outputs: .*tokenizer"):
         bare.generate([[1, 2, 3]], SamplingParams(structured_outputs=_so(regex="a+")), use_tqdm=False)
     assert bare.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_preemption_keeps_each_grammar_state(llm):
+    """Preempted by recompute, a sequence keeps its output tokens and so its grammar state: the answers are
+    the ones an engine with room for every sequence gives."""
+    small = LLM(kv_cache_memory=6 << 20)  # 8 blocks of 16 tokens for 6 sequences of ~60 tokens
+    prompts = [_chat(f"Person number {i} as JSON, please.") for i in range(6)]
+    ps = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=_so(json=SCHEMAS[0])) for _ in prompts]
+    got = small.chat(prompts, ps, use_tqdm=False)
+    assert small.engine.get_stats().num_preemptions_total > 0
+    for o in got:
+        assert o.error is None and o.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS[0])
+    assert _summary(got) == _summary(llm.chat(prompts, ps, use_tqdm=False))
