@@ -470,3 +470,14 @@ def test_update_weights_from_distributed_broadcast(dense):
     with pytest.raises(ValueError, match="rank_offset"):
         llm.init_weight_update_group("127.0.0.1", port, rank_offset=0, world_size=2)
     _check_matches_hf(llm, hf)
+
+
+def test_example_rl_loop_runs():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "rl_loop", Path(__file__).resolve().parents[2] / "examples" / "rl_loop.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--steps", "2"]) <= 1e-5  # the example's own rollout/trainer mismatch
