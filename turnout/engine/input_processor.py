@@ -11,6 +11,7 @@ No torch.
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,6 +72,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids  # what ends a sequence: a grammar allows them once its text is complete
         self._compiler = None  # the GrammarCompiler, made at the first structured request
+        self._compiler_lock = threading.Lock()  # the server may ask for it from its event loop's threads
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_tokens_per_request = max_tokens_per_request
@@ -137,15 +139,16 @@ class InputProcessor:
     def grammar_compiler(self):
         """The engine's GrammarCompiler (turnout/structured/compiler.py): built once, from the tokenizer,
         for the logits' width (an LM head padded past the tokenizer never allows its padding ids)."""
-        if self._compiler is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs: structured output needs the model's tokenizer, and this "
-                                 "model has none")
-            from turnout.structured.compiler import GrammarCompiler
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs: structured output needs the model's tokenizer, and this "
+                             "model has none")
+        with self._compiler_lock:
+            if self._compiler is None:
+                from turnout.structured.compiler import GrammarCompiler
 
-            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
-                                             stop_token_ids=sorted(self.stop_token_ids or ()) or None)
-        return self._compiler
+                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                 stop_token_ids=sorted(self.stop_token_ids or ()) or None)
+            return self._compiler
 
     def new_grammar_state(self, req: EngineRequest):
         """A fresh GrammarState for the request's first sequence (its other samples fork it), or None."""
