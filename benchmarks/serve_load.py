@@ -261,13 +261,27 @@ async def _phase(client, *, with_big, num_short, concurrency, short_max_tokens, 
     ttft = [t for t, _ in results if t is not None]
     return {"short_ttft_s": {f"p{q}": _pct(ttft, q) for q in (50, 90, 99)}, "shorts_elapsed_s": round(shorts_s, 3),
             "short_errors": [e for _, e in results if e], "big": big,
-            "big_still_running_when_shorts_ended": big_running_at_end}
+            "big_still_running_when_shorts_ended": big_running_at_end, "_ttft": ttft}
+
+
+def _pool(runs: list[dict]) -> dict:
+    """One phase's rounds as one: TTFT percentiles over every short request of every round."""
+    if len(runs) == 1:
+        return runs[0]
+    ttft = [t for r in runs for t in r["_ttft"]]
+    return {"short_ttft_s": {f"p{q}": _pct(ttft, q) for q in (50, 90, 99)},
+            "shorts_elapsed_s": round(sum(r["shorts_elapsed_s"] for r in runs) / len(runs), 3),
+            "short_errors": [e for r in runs for e in r["short_errors"]], "big": runs[-1]["big"],
+            "big_still_running_when_shorts_ended": all(r["big_still_running_when_shorts_ended"] for r in runs),
+            "rounds": [{k: v for k, v in r.items() if k != "_ttft"} for r in runs], "_ttft": ttft}
 
 
 async def run_mixed(base_url: str, *, num_short: int = 100, concurrency: int = 8, short_max_tokens: int = 4,
                     big_n: int = 128, big_max_tokens: int = 32, seed: int = 0, model: str | None = None,
-                    api_key: str | None = None) -> dict:
-    """p99 TTFT of ``num_short`` short requests, alone and with one n=``big_n`` request running beside them."""
+                    api_key: str | None = None, rounds: int = 1) -> dict:
+    """p99 TTFT of ``num_short`` short requests, alone and with one n=``big_n`` request running beside them.
+    With ``rounds`` > 1 the two phases alternate (alone, mixed, alone, ...) so that a machine whose load
+    drifts (other processes) weighs on both alike; the TTFTs of all rounds are pooled per phase."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     kw = dict(num_short=num_short, concurrency=concurrency, short_max_tokens=short_max_tokens, big_n=big_n,
@@ -275,13 +289,21 @@ async def run_mixed(base_url: str, *, num_short: int = 100, concurrency: int = 8
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(600.0),
                                  limits=limits) as client:
         await asyncio.gather(*(_short_ttft(client, i, 2, seed, model) for i in range(concurrency)))  # warm up
-        alone = await _phase(client, with_big=False, **kw)
-        mixed = await _phase(client, with_big=True, **kw)
+        phases = {"alone": [], "mixed": []}
+        for _ in range(max(1, rounds)):
+            phases["alone"].append(await _phase(client, with_big=False, **kw))
+            phases["mixed"].append(await _phase(client, with_big=True, **kw))
+    alone, mixed = (_pool(phases[k]) for k in ("alone", "mixed"))
     p99a, p99m = alone["short_ttft_s"]["p99"], mixed["short_ttft_s"]["p99"]
+    for ph in (alone, mixed):
+        ph.pop("_ttft", None)
+        for r in ph.get("rounds", []):
+            r.pop("_ttft", None)
     failures = alone["short_errors"] + mixed["short_errors"]
     if mixed["big"]["status"] != 200:
         failures.append(f"big request: HTTP {mixed['big']['status']}: {mixed['big'].get('error')}")
-    return {"mode": "mixed", **{k: v for k, v in kw.items() if k != "model"}, "alone": alone, "mixed": mixed,
+    return {"mode": "mixed", **{k: v for k, v in kw.items() if k != "model"}, "rounds": max(1, rounds),
+            "alone": alone, "mixed": mixed,
             "p99_ttft_ratio": round(p99m / p99a, 3) if p99a and p99m else None, "failures": failures}
 
 
@@ -345,11 +367,13 @@ def main(argv=None) -> int:
     p.add_argument("--short-max-tokens", type=int, default=4)
     p.add_argument("--big-n", type=int, default=128)
     p.add_argument("--big-max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=1, help="--mixed: alternate the two phases this many times")
     a = p.parse_args(argv)
     if a.mixed:
         res = asyncio.run(run_mixed(a.base_url, num_short=a.num_requests, concurrency=a.concurrency,
                                     short_max_tokens=a.short_max_tokens, big_n=a.big_n,
-                                    big_max_tokens=a.big_max_tokens, seed=a.seed, model=a.model, api_key=a.api_key))
+                                    big_max_tokens=a.big_max_tokens, seed=a.seed, model=a.model, api_key=a.api_key,
+                                    rounds=a.rounds))
         print(format_mixed_table(res))
         print(json.dumps(res, indent=2))
         if a.json:

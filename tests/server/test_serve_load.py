@@ -31,10 +31,10 @@ def test_mixed_load_mode(server):
     """The mixed mode runs and reports both phases (its numbers are for docs/benchmarks.md, not asserted)."""
     bench = _load_bench()
     res = asyncio.run(bench.run_mixed(server.base_url, num_short=6, concurrency=3, short_max_tokens=2, big_n=6,
-                                      big_max_tokens=4, seed=1))
+                                      big_max_tokens=4, seed=1, rounds=2))
     print(bench.format_mixed_table(res))
     assert not res["failures"], res["failures"]
     assert res["mixed"]["big"]["completion_tokens"] == 24
     for phase in ("alone", "mixed"):
         assert res[phase]["short_ttft_s"]["p99"] is not None
-    assert res["p99_ttft_ratio"] > 0
+    assert res["p99_ttft_ratio"] > 0 and len(res["mixed"]["rounds"]) == 2
