@@ -265,6 +265,11 @@ def test_sleep_and_wake_arguments_are_checked(dense):
         llm.wake_up(tags="weights")
     with pytest.raises(ValueError, match="mode"):
         llm.pause_generation(mode="drop")
+    with pytest.raises(ValueError, match="n:"):
+        llm.generate_tokens(PROMPTS[0], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="request_id"):
+        llm.generate_tokens(PROMPTS, GREEDY, request_id="x")
+    assert llm.generate_tokens(PROMPTS[0], GREEDY, request_id="mine").request_id == "mine"
     assert not llm.is_sleeping()
     llm.engine.add_request("busy", PROMPTS[0], GREEDY)
     with pytest.raises(RuntimeError, match="unfinished"):

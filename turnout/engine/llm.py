@@ -98,6 +98,9 @@ class LLM:
         if request_id is not None and not one:
             raise ValueError("request_id: only for a single prompt")
         params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"n: generate_tokens returns one sample per prompt (got n={params.n}); repeat the "
+                             "prompt instead")
         if params.logprobs is None:
             params = dataclasses.replace(params, logprobs=0)  # the sampled token's logprob, no top-N
         outs = self._run(prompts, params, use_tqdm=False, request_ids=[request_id] if request_id else None)

@@ -145,6 +145,8 @@ class RankMemory:
                 else:
                     dev.copy_(s.host, non_blocking=s.host.is_pinned())
                 p.data = dev
+            if r.device.type == "cuda":
+                torch.cuda.synchronize(r.device)  # the copies out of the pinned host tensors are done before they go
             self._saved.clear()
             self.weights_asleep = False
             self.weights_discarded = discarded
