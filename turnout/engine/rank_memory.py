@@ -124,7 +124,9 @@ class RankMemory:
     def _drop_graphs(self) -> None:
         r = self.runner
         if r.graphs is not None:
-            r.graphs = None  # its pool, static buffers and the addresses it baked in go with it
+            for graph in r.graphs.graphs.values():
+                graph.reset()  # each graph gives up its share of the private pool now, not at collection
+            r.graphs = None  # the static buffers and the addresses the graphs baked in go with it
 
     # ---- wake --------------------------------------------------------------------------------------
     def wake_up(self, tags: list[str] | None = None) -> dict[str, int]:
