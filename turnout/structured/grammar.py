@@ -10,6 +10,9 @@ _LOG_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
 _CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false:\s*")
 
 
+MAX_WHITESPACE = 20  # characters in one whitespace run of JSON output
+
+
 def clean_error(e: BaseException) -> str:
     """xgrammar's message without its source location (the user sees it in a 400)."""
     text = str(e).strip()
@@ -56,8 +59,10 @@ def build_grammar(params):
 
     kind = params.kind
     # disable_any_whitespace means no whitespace at all (vLLM's documented meaning), not json.dumps' ", ".
+    # Whitespace runs are bounded: with unbounded ones a small model can stay in a run of newlines until
+    # max_tokens (seen with SmolLM2 through the server); 20 characters still indent 9 levels deep.
     layout = ({"any_whitespace": False, "separators": (",", ":")} if params.disable_any_whitespace
-              else {"any_whitespace": True})
+              else {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE})
     try:
         if kind == "json":
             return xgr.Grammar.from_json_schema(json.dumps(params.schema()), strict_mode=True, **layout)
