@@ -62,3 +62,32 @@ def test_sleep_returns_memory_to_the_device_and_graphs_come_back():
     llm.update_weights(state.items())
     llm.wake_up(tags=["kv_cache"])
     assert _run(llm) == before
+
+
+def test_cuda_ipc_buckets_from_another_process(tmp_path):
+    """The trainer, in its own process on the same GPU, shares its weights by CUDA IPC handle in 3 buckets."""
+    import multiprocessing as mp
+    import pickle
+
+    from ipc_trainer import perturbed, trainer_main
+    from test_rl_rollout import GREEDY as TINY_GREEDY
+    from test_rl_rollout import PROMPTS, _dense_config, _hf_greedy, _save
+
+    _save(_dense_config(), tmp_path, 0)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=2 << 20)
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=trainer_main, args=(str(tmp_path), 11, 3, theirs, "cuda"), daemon=True)
+    proc.start()
+    try:
+        t0 = time.perf_counter()
+        while msg := mine.recv_bytes():
+            llm.update_weights_from_ipc(pickle.loads(msg))
+            mine.send("done")
+        print(f"\nIPC update of the tiny model in 3 buckets: {time.perf_counter() - t0:.3f}s")
+    finally:
+        proc.join(60)
+    assert proc.exitcode == 0
+    hf = perturbed(str(tmp_path), 11)
+    for prompt, out in zip(PROMPTS, llm.generate_tokens(PROMPTS, TINY_GREEDY)):
+        assert out.token_ids == _hf_greedy(hf, prompt, TINY_GREEDY.max_tokens)

@@ -486,3 +486,35 @@ def test_example_rl_loop_runs():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--steps", "2"]) <= 1e-5  # the example's own rollout/trainer mismatch
+
+
+def test_update_weights_from_ipc_buckets_from_another_process(dense):
+    import multiprocessing as mp
+    import pickle
+
+    from ipc_trainer import perturbed, trainer_main
+
+    _, path = dense
+    llm = LLM(path, **KW)
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=trainer_main, args=(path, 11, 3, theirs), daemon=True)
+    proc.start()
+    try:
+        n = 0
+        while msg := mine.recv_bytes():
+            assert llm.update_weights_from_ipc(pickle.loads(msg))
+            mine.send("done")
+            n += 1
+        assert n == 3
+    finally:
+        proc.join(30)
+    assert proc.exitcode == 0
+    _check_matches_hf(llm, perturbed(path, 11))
+    from turnout.engine.weight_ipc import make_bucket
+
+    _, bad = make_bucket([("model.norm.weight", torch.zeros(63))])
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+        llm.update_weights_from_ipc(bad)
+    with pytest.raises(ValueError, match="buckets"):
+        llm.update_weights_from_ipc([bad, bad])

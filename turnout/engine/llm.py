@@ -147,6 +147,12 @@ class LLM:
         self._gate.check_quiet("update_weights_from_distributed")
         return self.engine.update_weights_from_distributed(names, dtypes, shapes)
 
+    def update_weights_from_ipc(self, buckets) -> list[str]:
+        """Tensors another process shares by handle (CUDA IPC on a GPU, shared memory on the host), in buckets
+        made by ``turnout.engine.weight_ipc.make_bucket``: one per engine rank, or one in a world of one."""
+        self._gate.check_quiet("update_weights_from_ipc")
+        return self.engine.update_weights_from_ipc(buckets)
+
     def reset_prefix_cache(self) -> int:
         self._gate.check_quiet("reset_prefix_cache")
         return self.engine.reset_prefix_cache()

@@ -209,6 +209,9 @@ class LLMEngine:
     def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
         return self.rl.update_weights_from_distributed(names, dtypes, shapes)
 
+    def update_weights_from_ipc(self, buckets) -> list[str]:
+        return self.rl.update_weights_from_ipc(buckets)
+
     def reset_prefix_cache(self) -> int:
         return self.rl.reset_prefix_cache()
 

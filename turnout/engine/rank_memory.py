@@ -286,6 +286,21 @@ def update_weights_from_distributed_rank(worker, names, dtypes, shapes) -> list[
     return sorted(written)
 
 
+def update_weights_from_ipc_rank(worker, buckets) -> list[str]:
+    """Map this rank's bucket (``buckets[worker.rank]``), write its tensors, then let go of the mapping."""
+    from turnout.engine.weight_ipc import open_bucket
+    from turnout.models.weight_map import update_weights
+
+    r = worker.runner
+    items = open_bucket(buckets[worker.rank], r.device)
+    written = update_weights(r.model, items, checked=True)
+    if r.device.type == "cuda":
+        torch.cuda.synchronize(r.device)  # read before the trainer may refill the buffer
+    del items
+    r.memory.weights_discarded = False
+    return sorted(written)
+
+
 def destroy_weight_update_group_rank(worker) -> None:
     worker.runner.memory.weight_group = None
 

@@ -170,6 +170,26 @@ class RolloutControl:
         self.reset_prefix_cache()
         return written
 
+    def update_weights_from_ipc(self, buckets) -> list[str]:
+        """Tensors shared by handle from another process (turnout/engine/weight_ipc.py): one ``IPCBucket`` per
+        engine rank (or one bucket in a world of one). Checked on the driver before any rank maps its bucket."""
+        from turnout.engine.weight_broadcast import meta_weights
+        from turnout.engine.weight_ipc import IPCBucket, check_bucket
+
+        if self.weights_asleep:
+            raise RuntimeError("update_weights_from_ipc: the weights are asleep (sleep() was called); "
+                               "wake_up(tags=['weights']) first")
+        buckets = [buckets] if isinstance(buckets, IPCBucket) else list(buckets)
+        n = self.engine.executor.world_size
+        if len(buckets) != n:
+            raise ValueError(f"buckets: one per engine rank ({n}), got {len(buckets)}")
+        for b in buckets:
+            check_bucket(b)
+            self.engine.runner.memory.check_weights(meta_weights(b.names, b.dtypes, b.shapes))
+        written = self._rpc(rank_memory.update_weights_from_ipc_rank, buckets)[0]
+        self.reset_prefix_cache()
+        return written
+
     def destroy_weight_update_group(self) -> None:
         self._rpc(rank_memory.destroy_weight_update_group_rank)
 
