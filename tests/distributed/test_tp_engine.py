@@ -46,7 +46,7 @@ def _logprob(entry):
     return entry if isinstance(entry, float) else entry.logprob
 
 
-KW = dict(kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True)
+KW = dict(device="cpu", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_a_killed_worker_fails_the_engine_naming_its_rank(tiny_path):
     import threading
     import time
 
-    llm = LLM(tiny_path, tensor_parallel_size=2, kv_cache_memory=4 << 20)
+    llm = LLM(tiny_path, tensor_parallel_size=2, device="cpu", kv_cache_memory=4 << 20)
     proc = llm.engine.executor._procs[0]
     timer = threading.Timer(1.0, os.kill, (proc.pid, signal.SIGKILL))
     timer.start()
@@ -137,4 +137,4 @@ def test_a_shape_that_does_not_split_is_a_start_up_error(tmp_path):
                                    num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=64)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(ValueError, match=r"num_(kv_)?heads 3 is not divisible by tensor-parallel size 2"):
-        LLM(str(tmp_path), tensor_parallel_size=2, kv_cache_memory=1 << 20)
+        LLM(str(tmp_path), tensor_parallel_size=2, device="cpu", kv_cache_memory=1 << 20)

@@ -16,6 +16,21 @@ from turnout.ops.reference._util import randn
 from turnout.ops.spec import OpSpec, SampleCase
 
 
+def _gather_into(out, x, group) -> None:
+    import torch.distributed as dist
+
+    # all_gather_single is torch >= 2.13's name; all_gather_into_tensor the older one (deprecated there).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def _reduce_scatter_into(out, x, group) -> None:
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, group=group)
+
+
 def _resolve(group):
     """(process group or None, world size) for ``group``."""
     import torch.distributed as dist
@@ -47,14 +62,12 @@ def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
 
 def all_gather(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
     """The ranks' ``x`` concatenated along ``dim`` in rank order: [..., n, ...] -> [..., W * n, ...]."""
-    import torch.distributed as dist
-
     group, world = _resolve(group)
     if world == 1:
         return x.clone()
     dim = dim % x.dim()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # ranks along dim 0
-    dist.all_gather_single(out, x.contiguous(), group=group)
+    _gather_into(out, x.contiguous(), group)
     if dim == 0:
         return out
     out = out.view(world, *x.shape).movedim(0, dim)  # [..., W, n, ...]
@@ -63,8 +76,6 @@ def all_gather(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
     """Sum ``x`` over the ranks and keep this rank's slice of ``dim`` (split in W equal parts, rank order)."""
-    import torch.distributed as dist
-
     group, world = _resolve(group)
     dim = dim % x.dim()
     if x.shape[dim] % world:
@@ -73,7 +84,7 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
         return x.clone()
     src = x.movedim(dim, 0).contiguous()  # [W * n, ...]
     out = torch.empty((src.shape[0] // world, *src.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, src, group=group)
+    _reduce_scatter_into(out, src, group)
     return out.movedim(0, dim)
 
 
