@@ -38,6 +38,13 @@ class EngineConfig:
     # (turnout/executor) runs them: uniproc for one rank, mp (a process per rank) for several.
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: uniproc for one rank, mp for several
+    # KV tiers (docs/architecture.md, "KV tiers"). How a sequence gives up its blocks when the cache is full:
+    # "recompute" (free them, prefill again later), "swap" (copy them to the host pool, copy them back
+    # before it runs again) or "auto" (swap where moving the blocks costs less than recomputing them, from
+    # the copy bandwidth and prefill rate measured at start-up; recompute where no swap op can run here).
+    preemption_mode: str = "auto"
+    swap_space: float = 4.0  # GiB of host memory (pinned on GPUs) for swapped-out blocks; 0: no swapping
+    kv_offload_gb: float = 0.0  # GiB of host memory for prefix blocks evicted from the device; 0: no host tier
 
     def __post_init__(self):
         def bad(field, why):
@@ -69,5 +76,13 @@ class EngineConfig:
         if self.distributed_executor_backend == "uniproc" and self.tensor_parallel_size != 1:
             bad("distributed_executor_backend", f"uniproc runs one rank, but tensor_parallel_size is "
                 f"{self.tensor_parallel_size}; use mp")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            bad("preemption_mode", f"unknown mode {self.preemption_mode!r} (recompute, swap, auto)")
+        for name in ("swap_space", "kv_offload_gb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+                bad(name, f"must be a finite number of GiB >= 0, got {v!r}")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            bad("swap_space", "preemption_mode='swap' needs swap_space > 0 GiB")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             bad("load_format", f"unknown load format {self.load_format!r} (auto, safetensors, gguf, dummy)")

@@ -52,6 +52,16 @@ class EngineStats:
     prefix_cache_hit_tokens_total: int = 0
     lookahead_steps_total: int = 0  # decode steps launched before the last one's tokens were read back
     num_failed_requests_total: int = 0  # requests failed by a fault traced to them (the engine went on)
+    # KV tiers (engine/kv_transfer.py, kv/tiers.py)
+    num_swapped: int = 0  # sequences waiting in host memory to be swapped back in
+    swap_preemptions_total: int = 0
+    recompute_preemptions_total: int = 0
+    swap_pool_full_total: int = 0  # swap chosen, the host pool full: recomputed instead
+    swapped_out_blocks_total: int = 0
+    swapped_in_blocks_total: int = 0
+    host_tier_hit_tokens_total: int = 0  # prefix hits loaded back from host memory (in prefix_cache_hit_tokens_total)
+    host_tier_offloaded_blocks_total: int = 0
+    host_tier_used_blocks: int = 0
 
 
 @dataclass
@@ -135,6 +145,8 @@ class EngineCore:
         self._inflight = None
         if step is None:
             out = self.scheduler.schedule()
+            if out.swap_out:  # device -> host first: they read the blocks before this step can write them
+                self.runner.swap_out(out.swap_out)
             step = self._launch(out) if out.scheduled else None
         sampled: list[SampledToken] = []
         if step is not None:
@@ -175,19 +187,22 @@ class EngineCore:
     def _launch(self, out: SchedulerOutput) -> _Step | None:
         """Account for a scheduled step and launch its forward and sampling (no sync). A fault traced to
         a sequence before the forward fails its request, and the step is rebuilt without it."""
-        cow = out.copy_on_write
+        cow, swap_in = out.copy_on_write, out.swap_in
         while True:
             lanes, rows = self._lanes(out)
             want = max((s.params.logprobs for s in lanes if s.params.logprobs is not None), default=-1)
             try:
-                result = self.runner.execute(out.scheduled, lanes, rows, self.eos_ids, want, cow)
+                result = self.runner.execute(out.scheduled, lanes, rows, self.eos_ids, want, cow,
+                                             **({"swap_in": swap_in} if swap_in else {}))
                 break
             except SequenceFaults as f:
                 self._fail_faults(f.faults, [s.seq for s in out.scheduled] + [c for _, c in out.forks],
                                   "step inputs")
                 out = _without_finished(out)
-                cow = ()  # done before the inputs were built
+                cow = swap_in = ()  # done (or queued) before the inputs were built
                 if not out.scheduled:
+                    if out.swap_in:
+                        self.runner.flush_swaps()
                     return None
         for s in out.scheduled:
             self._pending.scheduled_request_ids.add(s.seq.request_id)
@@ -223,6 +238,8 @@ class EngineCore:
         out = self.scheduler.schedule_lookahead(prev.out)
         if out is None:
             return None
+        if out.swap_out:  # evictions to the host tier (a lookahead never swaps in)
+            self.runner.swap_out(out.swap_out)
         lanes = [s.seq for s in out.scheduled]  # prev's lanes, in prev's order: row i = prev's token i
         want = max((s.params.logprobs for s in lanes if s.params.logprobs is not None), default=-1)
         try:
@@ -275,4 +292,5 @@ def _without_finished(out: SchedulerOutput) -> SchedulerOutput:
                            forks=[(new_index[p], c) for p, c in out.forks
                                   if p in new_index and not c.status.is_finished],
                            copy_on_write=out.copy_on_write, preempted=out.preempted,
-                           num_batched_tokens=sum(out.scheduled[i].num_tokens for i in keep))
+                           num_batched_tokens=sum(out.scheduled[i].num_tokens for i in keep),
+                           swap_out=out.swap_out, swap_in=out.swap_in)

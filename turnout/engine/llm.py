@@ -21,7 +21,8 @@ class LLM:
                  ops_policy: str | None = None, block_size: int = 16, enforce_eager: bool = False,
                  tokenizer: str | None = None, async_scheduling: bool | None = None,
                  max_tokens_per_request: int | None = None, fair_share_seqs: int | None = 16,
-                 tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None):
+                 tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
+                 preemption_mode: str = "auto", swap_space: float = 4.0, kv_offload_gb: float = 0.0):
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
@@ -30,7 +31,9 @@ class LLM:
                                    tokenizer=tokenizer, async_scheduling=async_scheduling,
                                    max_tokens_per_request=max_tokens_per_request, fair_share_seqs=fair_share_seqs,
                                    tensor_parallel_size=tensor_parallel_size,
-                                   distributed_executor_backend=distributed_executor_backend)
+                                   distributed_executor_backend=distributed_executor_backend,
+                                   preemption_mode=preemption_mode, swap_space=swap_space,
+                                   kv_offload_gb=kv_offload_gb)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         self._gate = GenerationGate(self.engine)  # pause / abort from another thread (turnout/engine/rl.py)

@@ -74,9 +74,11 @@ class LLMEngine:
         self.model_name = config.served_model_name or _display_name(config.model, loaded)
         self.max_model_len = _context_limit(config.max_model_len, loaded)
         self.runner = self.executor.runner  # rank 0's ModelRunner: the core drives it
-        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
+        xfer = self.runner.kv_transfer  # the KV tiers' host pools and preemption mode (engine/kv_transfer.py)
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          swap_blocks=xfer.num_swap_blocks, offload_blocks=xfer.num_offload_blocks)
         scheduler = Scheduler(self.block_manager, config.max_num_seqs, max(config.max_num_batched_tokens, 1),
-                              self.max_model_len, fair_share_seqs=config.fair_share_seqs)
+                              self.max_model_len, fair_share_seqs=config.fair_share_seqs, preemption=xfer.preemption)
         self.eos_ids = self._eos_ids()
         self.input_processor = InputProcessor(self.tokenizer, self.runner.vocab_size, self.max_model_len,
                                               config.max_tokens_per_request, config.seed,
@@ -159,7 +161,20 @@ class LLMEngine:
                            generation_tokens_total=self.output_processor.generation_tokens_total,
                            prefix_cache_hit_tokens_total=s.num_prefix_cached_tokens,
                            lookahead_steps_total=self.core.num_lookahead_steps,
-                           num_failed_requests_total=self.core.num_failed_requests)
+                           num_failed_requests_total=self.core.num_failed_requests,
+                           **self._tier_stats())
+
+    def _tier_stats(self) -> dict:
+        s, bm = self.core.scheduler, self.block_manager
+        hc = bm.host_cache
+        return {"num_swapped": len(s.swapped), "swap_preemptions_total": s.num_swap_preemptions,
+                "recompute_preemptions_total": s.num_preemptions - s.num_swap_preemptions,
+                "swap_pool_full_total": s.num_swap_pool_full,
+                "swapped_out_blocks_total": bm.num_swapped_out_blocks,
+                "swapped_in_blocks_total": bm.num_swapped_in_blocks,
+                "host_tier_hit_tokens_total": bm.num_host_hit_tokens,
+                "host_tier_offloaded_blocks_total": 0 if hc is None else hc.num_offloaded,
+                "host_tier_used_blocks": 0 if hc is None else hc.num_used}
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:

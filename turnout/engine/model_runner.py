@@ -10,6 +10,7 @@ import time
 import torch
 
 from turnout.engine.cuda_graphs import maybe_capture
+from turnout.engine.kv_transfer import KVTransfer, LayerGatedCaches
 from turnout.engine.rank_memory import RankMemory
 from turnout.layers.attention import AttentionMetadata
 from turnout.engine.sequence import SequenceFaults
@@ -67,6 +68,9 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_bytes / 2**30, self.dtype)
+        # KV tiers: host caches, swap strategy, start-up measurements for preemption_mode auto (kv_transfer.py)
+        self.kv_transfer = KVTransfer(self, config)
+        self._swap_gate = None  # this step's swap-ins, passed layer by layer by the next forward
         self.graphs = maybe_capture(self)  # None: every step runs eagerly
         # Sleep / wake and in-place weight updates of this rank (the RL control plane; collective_rpc reaches it)
         self.memory = RankMemory(self)
@@ -260,7 +264,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled, lanes, lane_rows, eos_ids, want_logprobs: int = -1, copy_on_write=(),
-                input_tokens: torch.Tensor | None = None):
+                input_tokens: torch.Tensor | None = None, swap_in=()):
         """Run one step. lane_rows[i] indexes the scheduled entries that sample (their order).
         ``input_tokens``: a lookahead decode step (one token per scheduled entry): the previous step's
         sampled tokens [n], still on the device, are the inputs; nothing waits for them."""
@@ -269,18 +273,24 @@ class ModelRunner:
                 self.step_publisher.copy_blocks(copy_on_write)
             mapping = self._h2d(list(copy_on_write), torch.long)
             self.ops.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
+        if swap_in:  # after copy-on-write, before any read of the blocks (kv/tiers.py: the copy order)
+            self._swap_gate = self.kv_transfer.swap_in(list(swap_in))
         pending = input_tokens is not None
         input_ids, positions, meta, sample_idx = self.prepare_host(scheduled, pending)
+        gate, self._swap_gate = self._swap_gate, None  # taken once the step is sure to run (no SequenceFaults)
         if self.step_publisher is not None:  # the other ranks run the same forward
             self.step_publisher.step(input_ids, positions, meta, sample_idx, bool(lanes), input_tokens)
         if lanes and self.graphs is not None and self.graphs.can_run(len(sample_idx), meta):
             # pure decode: replay a CUDA graph
+            if gate is not None:  # the graph reads every layer: all the swap-ins first
+                gate.finish()
             logits = self.graphs.run(input_tokens if pending else input_ids, positions, meta)
         else:
             input_ids, positions, meta = self._to_device(input_ids, positions, meta)
             if pending:
                 input_ids = input_tokens.to(torch.long)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            caches = self.kv_caches if gate is None else LayerGatedCaches(self.kv_caches, gate)
+            hidden = self.model(input_ids, positions, caches, meta)
             if not lanes:
                 return None
             if len(sample_idx) != hidden.shape[0]:  # sample_idx is increasing: equal lengths = every row
@@ -302,6 +312,18 @@ class ModelRunner:
         out = sample(self.ops, logits, batch, self._grammar_stage() if batch.grammars else None)
         out.faults.update(faults)
         return out
+
+    def flush_swaps(self) -> None:
+        """Run the swap-ins of a step that ended before its forward (every request in it failed): the
+        blocks they fill are registered already, so their copies must land all the same."""
+        gate, self._swap_gate = self._swap_gate, None
+        if gate is not None:
+            gate.finish()
+
+    def swap_out(self, pairs) -> None:
+        """Device -> host block copies (swap-outs, evictions to the host tier), before anything else of the
+        step (kv/tiers.py)."""
+        self.kv_transfer.swap_out(list(pairs))
 
     def _grammar_stage(self):
         """The structured-output mask stage (turnout/structured/mask.py), made at the first batch with a

@@ -28,10 +28,17 @@ its cap (counting its waiting ones) first.
    not fit stops admission (no overtaking). Nothing is admitted in a step that preempted.
 
 When a running sequence needs a block and none is free, the NEWEST running sequence (latest arrival,
-then highest seq_id; possibly the one asking) is preempted by recompute: its blocks are freed,
+then highest seq_id; possibly the one asking) is preempted. By recompute: its blocks are freed,
 ``num_computed_tokens`` = 0, its generated tokens are kept (it re-prefills prompt + output, partly from
-the prefix cache), and it goes to the front of the waiting queue. If it was already scheduled in this
-step it is taken out of the step again. Then the allocation is retried.
+the prefix cache), and it goes to the front of the waiting queue. By swap (``Preemption``: mode "swap", or
+"auto" where the copies cost less than the recompute): its computed blocks are copied to the host swap
+pool (kv/tiers.py) and it waits in ``swapped`` with everything else as it was; a full pool means
+recompute (counted). If it was already scheduled in this step it is taken out of the step again. Then
+the allocation is retried.
+
+Swapped sequences come back before any waiting one is admitted (oldest arrival first, in a step that
+preempted nothing): fresh device blocks, their host blocks queued to be copied in before the step's
+forward (``SchedulerOutput.swap_in``), and they are scheduled in that same step where they stopped.
 
 A request with ``n > 1`` is one sequence until the chunk that completes its prompt is scheduled; then
 ``n - 1`` children are forked, sharing all its blocks. They are listed in ``SchedulerOutput.forks``: each
@@ -75,15 +82,40 @@ class SchedulerOutput:
     copy_on_write: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies, before the forward
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # host tier copies (kv/tiers.py gives the order): (device, host) before anything else of the step,
+    # (host, device) after copy_on_write and before the forward
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class Preemption:
+    """How to preempt: ``mode`` "recompute" | "swap" | "auto". For auto, the measured costs (the runner's
+    start-up measurement, turnout/engine/kv_transfer.py): swapping a sequence costs its blocks out and
+    back in, ``2 * blocks * block_bytes / copy_bytes_per_s``; recomputing it costs
+    ``num_computed_tokens / prefill_tokens_per_s``."""
+
+    mode: str = "recompute"
+    block_bytes: int = 0
+    copy_bytes_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+
+    def swap_pays(self, num_blocks: int, num_computed_tokens: int) -> bool:
+        if self.mode != "auto":
+            return self.mode == "swap"
+        if self.copy_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0:
+            return False
+        swap_s = 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
+        return swap_s < num_computed_tokens / self.prefill_tokens_per_s
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 fair_share_seqs: int | None = None):
+                 fair_share_seqs: int | None = None, preemption: Preemption | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError(f"Scheduler: max_num_seqs ({max_num_seqs}), max_num_batched_tokens "
                              f"({max_num_batched_tokens}) and max_model_len ({max_model_len}) must be >= 1")
@@ -92,12 +124,16 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.fair_share_seqs = fair_share_seqs  # None: no per-request cap (see the module docstring)
+        self.preemption = preemption or Preemption()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
+        self.swapped: list[Sequence] = []  # preempted by swap, oldest arrival first
         self._next_seq_id = 0
         self._live_ids: set[int] = set()
         # counters
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of those, by swap (the rest by recompute)
+        self.num_swap_pool_full = 0  # swap chosen but the host pool was full: recomputed instead
         self.num_prefill_tokens_computed = 0  # tokens computed for sequences not yet decoding (prompt, recompute)
         self.num_decode_tokens_computed = 0
         self.num_prefix_cached_tokens = 0  # tokens found in the prefix cache at first schedules
@@ -151,10 +187,11 @@ class Scheduler:
             victim = max(self.running, key=lambda s: (caps is not None and caps[s.request_id] < demand[s.request_id],
                                                       s.arrival_time, s.seq_id))
             entry = entries.pop(victim.seq_id, None)
+            undo = ()
             if entry is not None:  # scheduled earlier in this step: undo
                 budget += entry.num_tokens
-                copies.pop(victim.seq_id, None)
-            self._preempt(victim)
+                undo = copies.pop(victim.seq_id, ())
+            self._preempt(victim, undo)
             preempted.append(victim)
             return victim
 
@@ -191,8 +228,28 @@ class Scheduler:
                 entries[seq.seq_id] = ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens)
                 budget -= num_new
 
-        # 3: waiting sequences, FCFS
+        # swapped sequences come back first, oldest arrival first, where they stopped
         if not preempted:
+            while self.swapped and budget > 0:
+                seq = self.swapped[0]
+                if sum(s.n for s in self.running) + 1 > self.max_num_seqs:
+                    break
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not bm.can_swap_in(seq, num_new):
+                    break
+                self.swapped.pop(0)
+                bm.swap_in(seq)
+                pairs = bm.append_slots(seq, num_new)
+                if pairs:
+                    copies[seq.seq_id] = pairs
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                start = seq.num_computed_tokens
+                entries[seq.seq_id] = ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens)
+                budget -= num_new
+
+        # 3: waiting sequences, FCFS (none while a swapped one waits to come back)
+        if not preempted and not self.swapped:
             seats = sum(s.n for s in self.running)  # pending forks hold their seats
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
@@ -215,6 +272,7 @@ class Scheduler:
                 budget -= num_new
 
         out = SchedulerOutput(scheduled=list(entries.values()), preempted=preempted)
+        out.swap_out, out.swap_in = bm.take_transfers()
         for pairs in copies.values():
             out.copy_on_write.extend(pairs)
         for i, entry in enumerate(out.scheduled):
@@ -238,6 +296,8 @@ class Scheduler:
             demand[seq.request_id] = demand.get(seq.request_id, 0) + 1
         for seq in self.waiting:
             demand[seq.request_id] = demand.get(seq.request_id, 0) + seq.n
+        for seq in self.swapped:
+            demand[seq.request_id] = demand.get(seq.request_id, 0) + 1
         if len(demand) < 2:
             return None, demand
         first_id, first = max(demand.items(), key=lambda kv: kv[1])
@@ -268,7 +328,7 @@ class Scheduler:
         waits, no fork is pending, the batch fits the token budget and the free blocks (no preemption).
         Otherwise None, and the engine waits for the tokens and calls ``schedule`` as usual. The engine
         also decides per request (penalties, a last token) before asking."""
-        if self.waiting or prev.forks or prev.preempted or len(prev.scheduled) != len(self.running):
+        if self.waiting or self.swapped or prev.forks or prev.preempted or len(prev.scheduled) != len(self.running):
             return None
         if len(prev.scheduled) > self.max_num_batched_tokens:
             return None
@@ -287,6 +347,7 @@ class Scheduler:
             seq = entry.seq
             out.copy_on_write.extend(bm.append_slots(seq, 1))
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, True))
+        out.swap_out, out.swap_in = bm.take_transfers()  # evictions to the host tier only
         out.num_batched_tokens = len(out.scheduled)
         self.num_decode_tokens_computed += len(out.scheduled)
         self.num_steps += 1
@@ -307,14 +368,25 @@ class Scheduler:
         parent.n = 1
         return children
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, undo_copies=()) -> None:
+        bm = self.block_manager
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.preemption.mode != "recompute" and seq.num_computed_tokens > 0 and \
+                self.preemption.swap_pays(bm.blocks_for(seq.num_computed_tokens), seq.num_computed_tokens):
+            if bm.swap_out(seq, list(undo_copies)):
+                seq.status = SequenceStatus.SWAPPED
+                key = (seq.arrival_time, seq.seq_id)
+                at = next((i for i, s in enumerate(self.swapped) if (s.arrival_time, s.seq_id) > key), len(self.swapped))
+                self.swapped.insert(at, seq)
+                self.num_swap_preemptions += 1
+                return
+            self.num_swap_pool_full += 1
+        bm.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def postprocess(self, output: SchedulerOutput) -> None:
         """After the forward: the scheduled tokens' KV is in the cache. Advances num_computed_tokens and
@@ -336,6 +408,9 @@ class Scheduler:
             return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.block_manager.drop_swapped(seq)
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -345,14 +420,14 @@ class Scheduler:
     def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> list[Sequence]:
         """End every sequence of the request, waiting or running, with ``status`` (aborted, or failed by
         a fault); frees their blocks. Returns them."""
-        seqs = [s for s in itertools.chain(self.running, self.waiting) if s.request_id == request_id]
+        seqs = [s for s in itertools.chain(self.running, self.waiting, self.swapped) if s.request_id == request_id]
         for seq in seqs:
             self.finish(seq, status)
         return seqs
 
     # ---- state ----------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.swapped)
 
     @property
     def num_running(self) -> int:
@@ -367,6 +442,10 @@ class Scheduler:
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_preemptions": self.num_preemptions,
+            "num_swapped": len(self.swapped),
+            "num_swap_preemptions": self.num_swap_preemptions,
+            "num_recompute_preemptions": self.num_preemptions - self.num_swap_preemptions,
+            "num_swap_pool_full": self.num_swap_pool_full,
             "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
             "num_decode_tokens_computed": self.num_decode_tokens_computed,
             "num_prefix_cached_tokens": self.num_prefix_cached_tokens,

@@ -24,6 +24,7 @@ _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / phi: spreads the per-sample seeds of one
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()  # preempted by swapping: its computed KV is in host blocks (kv/tiers.py)
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token or a stop string
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()

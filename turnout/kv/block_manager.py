@@ -11,12 +11,21 @@ collision cannot give a wrong hit. When its last reference goes, a registered bl
 and stays findable; it is only given away (evicted) when no plain free block is left, least recently
 freed first. A sequence's blocks are freed tail first, so that the tail of a chain is evicted before its
 head, which more requests share.
+
+Host tier (kv/tiers.py). With a prefix tier, an evicted registered block is copied to host memory first
+(the same hash names it there), and ``match_prefix`` continues a chain in the host tier where the device
+has no block: such a hit (``HostHit``) takes a fresh device block and is copied back before the step's
+forward. With a swap pool, ``swap_out`` copies a preempted sequence's computed blocks to host blocks it owns
+and ``swap_in`` brings them back. The copies are queued here (``take_transfers``) and run by the runner in
+the order kv/tiers.py gives.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from typing import Protocol
+
+from turnout.kv.tiers import HostBlockPool, HostHit, HostPrefixCache
 
 
 class KVSequence(Protocol):
@@ -53,7 +62,8 @@ def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 swap_blocks: int = 0, offload_blocks: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -69,6 +79,17 @@ class BlockManager:
         self.num_evictions = 0  # cached blocks given away for new content
         self.num_copy_on_write = 0
         self.num_prefix_forgets = 0  # forget_prefix_cache calls (weight updates, clear_kv_cache)
+        # host tier: host ids [0, swap_blocks) swap pool, [swap_blocks, +offload_blocks) prefix tier
+        self.swap_pool = HostBlockPool(swap_blocks)
+        self.host_cache = (HostPrefixCache(offload_blocks, base=swap_blocks)
+                           if offload_blocks > 0 and enable_prefix_caching else None)
+        self.swapped: dict[int, list[int]] = {}  # seq_id -> its host blocks (swapped out)
+        self._to_host: list[tuple[int, int]] = []  # (device, host) copies queued for this step
+        self._to_device: list[tuple[int, int]] = []  # (host, device)
+        self._host_to_free: list[int] = []  # swap blocks read back this step: free once the step's copies are queued
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.num_host_hit_tokens = 0  # prefix hits found in the host tier (part of num_hit_tokens)
 
     # ---- state ----------------------------------------------------------------------------------
     @property
@@ -101,6 +122,10 @@ class BlockManager:
             block = self.blocks[block_id]
             if self._hash_to_block.get(block.hash) == block_id:
                 del self._hash_to_block[block.hash]
+            if self.host_cache is not None:  # keep it in host memory, under the same hash
+                host_id = self.host_cache.offload(block.hash, block.parent_hash, block.token_ids)
+                if host_id is not None:
+                    self._to_host.append((block_id, host_id))
             block.forget()
             self.num_evictions += 1
         self.blocks[block_id].ref_count = 1
@@ -124,23 +149,28 @@ class BlockManager:
 
     # ---- first schedule -------------------------------------------------------------------------
     def match_prefix(self, seq: KVSequence) -> list[int]:
-        """Ids of cached blocks holding ``seq``'s leading full blocks. The block that holds the last token
-        never counts, so at least one token is computed (its logits are needed). No state changes."""
+        """Ids of cached blocks holding ``seq``'s leading full blocks (a ``HostHit`` where the block is in
+        the host tier only). The block that holds the last token never counts, so at least one token is
+        computed (its logits are needed). No state changes."""
         if not self.enable_prefix_caching:
             return []
         bs, tokens = self.block_size, seq.token_ids
-        hits: list[int] = []
+        hits: list = []
         parent = None
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
             block_id = self._hash_to_block.get(h)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.parent_hash != parent or block.token_ids != chunk:
-                break
-            hits.append(block_id)
+            if block_id is not None:
+                block = self.blocks[block_id]
+                if block.parent_hash != parent or block.token_ids != chunk:
+                    break
+                hits.append(block_id)
+            else:
+                host_id = None if self.host_cache is None else self.host_cache.lookup(h, parent, chunk)
+                if host_id is None:
+                    break
+                hits.append(HostHit(host_id, h, parent, chunk))
             parent = h
         return hits
 
@@ -149,7 +179,8 @@ class BlockManager:
         if num_new_tokens is None:
             num_new_tokens = seq.num_tokens - num_cached_tokens
         new = self.blocks_for(num_cached_tokens + num_new_tokens) - len(cached)
-        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # these leave the free pool too
+        new += sum(1 for b in cached if isinstance(b, HostHit))  # a host hit is loaded into a fresh block
+        revived = sum(1 for b in cached if not isinstance(b, HostHit) and self.blocks[b].ref_count == 0)
         return new, revived
 
     def can_allocate(self, seq: KVSequence, num_new_tokens: int | None = None, cached: list[int] | None = None) -> bool:
@@ -172,9 +203,24 @@ class BlockManager:
         if new + revived > self.num_free_blocks:
             raise RuntimeError(f"allocate: sequence {seq.seq_id} needs {new + revived} free blocks, "
                                f"{self.num_free_blocks} are free")
-        for block_id in cached:
-            self._ref(block_id)
-        seq.block_table = list(cached) + [self._take_free() for _ in range(new)]
+        host_hits = [b for b in cached if isinstance(b, HostHit)]
+        for block_id in cached:  # device hits first: taking free blocks below must not evict them
+            if not isinstance(block_id, HostHit):
+                self._ref(block_id)
+        for hit in host_hits:  # nor may an eviction below give away a host block loaded in this step
+            self.host_cache.pin(hit.hash)
+        table = []
+        for b in cached:
+            if isinstance(b, HostHit):
+                block_id = self._take_free()
+                block = self.blocks[block_id]
+                block.parent_hash, block.token_ids, block.hash = b.parent_hash, b.token_ids, b.hash
+                self._hash_to_block.setdefault(b.hash, block_id)
+                self._to_device.append((b.host_id, block_id))
+                b = block_id
+            table.append(b)
+        seq.block_table = table + [self._take_free() for _ in range(new - len(host_hits))]
+        self.num_host_hit_tokens += len(host_hits) * self.block_size
         seq.num_computed_tokens = len(cached) * self.block_size
         if self.enable_prefix_caching:
             self.num_queried_tokens += seq.num_tokens
@@ -232,6 +278,63 @@ class BlockManager:
             self._unref(block_id)
         seq.block_table = []
 
+    # ---- swap (preemption to the host pool) ------------------------------------------------------
+    def can_swap_out(self, seq: KVSequence) -> bool:
+        return self.blocks_for(seq.num_computed_tokens) <= self.swap_pool.num_free
+
+    def swap_out(self, seq: KVSequence, undo_copies: list[tuple[int, int]] = ()) -> bool:
+        """Copy the blocks holding ``seq``'s computed tokens to host blocks it then owns, and free its
+        device blocks; ``num_computed_tokens`` stays. ``undo_copies``: copy-on-write pairs (src, dst)
+        scheduled for ``seq`` in this step and dropped with it: dst holds nothing yet, so src is read
+        (its sibling holds it, and nothing writes a block before this step's device -> host copies ran).
+        False (nothing done) when the pool has too few free blocks."""
+        n = self.blocks_for(seq.num_computed_tokens)
+        host = self.swap_pool.allocate(n)
+        if host is None:
+            return False
+        read = dict((dst, src) for src, dst in undo_copies)
+        self._to_host.extend((read.get(d, d), h) for d, h in zip(seq.block_table[:n], host))
+        self.swapped[seq.seq_id] = host
+        self.num_swapped_out_blocks += n
+        self.free(seq)
+        return True
+
+    def can_swap_in(self, seq: KVSequence, num_new_tokens: int) -> bool:
+        n = len(self.swapped[seq.seq_id])
+        grow = max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - n)
+        return n + grow <= self.num_free_blocks
+
+    def swap_in(self, seq: KVSequence) -> None:
+        """Fresh device blocks for a swapped-out sequence, its host blocks queued to be copied into them
+        (before the step's forward). Check ``can_swap_in`` first; then ``append_slots`` as usual."""
+        assert not seq.block_table, f"swap_in: sequence {seq.seq_id} already holds blocks"
+        host = self.swapped.pop(seq.seq_id)
+        seq.block_table = [self._take_free() for _ in host]
+        self._to_device.extend(zip(host, seq.block_table))
+        self._host_to_free.extend(host)  # not reusable before this step's copies are queued
+        self.num_swapped_in_blocks += len(host)
+
+    def drop_swapped(self, seq: KVSequence) -> None:
+        """A swapped-out sequence ended (aborted, failed): its host blocks go back to the pool."""
+        host = self.swapped.pop(seq.seq_id, None)
+        if host:
+            self.swap_pool.free(host)
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies queued since the last call: ((device, host) to run first, (host, device) after
+        copy-on-write), in the order kv/tiers.py describes. Ends the step's pins."""
+        out, into = self._to_host, self._to_device
+        self._to_host, self._to_device = [], []
+        self.swap_pool.free(self._host_to_free)
+        self._host_to_free = []
+        if self.host_cache is not None:
+            self.host_cache.unpin_all()
+        return out, into
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.swap_pool.num_blocks + (self.host_cache.num_blocks if self.host_cache is not None else 0)
+
     # ---- prefix cache ---------------------------------------------------------------------------
     def register_computed_blocks(self, seq: KVSequence) -> None:
         """Register the full blocks of ``seq`` whose tokens are all computed and that are not yet
@@ -262,6 +365,8 @@ class BlockManager:
             self._free_plain.append(block_id)
         self._free_cached.clear()
         self._hash_to_block.clear()
+        if self.host_cache is not None:
+            self.host_cache.clear()
         return True
 
     def forget_prefix_cache(self) -> int:
@@ -280,6 +385,8 @@ class BlockManager:
                 block.hash = hash(("stale", self.num_prefix_forgets, block.block_id))  # unique per block and call
                 forgotten += 1
         self._hash_to_block.clear()
+        if self.host_cache is not None:  # computed with the old weights too
+            forgotten += self.host_cache.clear()
         self.num_prefix_forgets += 1
         return forgotten
 
@@ -294,4 +401,12 @@ class BlockManager:
             "prefix_hit_rate": self.hit_rate,
             "evictions": self.num_evictions,
             "copy_on_write": self.num_copy_on_write,
+            "swapped_out_blocks": self.num_swapped_out_blocks,
+            "swapped_in_blocks": self.num_swapped_in_blocks,
+            "swap_pool_blocks": self.swap_pool.num_blocks,
+            "swap_pool_free_blocks": self.swap_pool.num_free,
+            "host_tier_blocks": 0 if self.host_cache is None else self.host_cache.num_blocks,
+            "host_tier_used_blocks": 0 if self.host_cache is None else self.host_cache.num_used,
+            "host_tier_offloaded_blocks": 0 if self.host_cache is None else self.host_cache.num_offloaded,
+            "host_tier_hit_tokens": self.num_host_hit_tokens,
         }

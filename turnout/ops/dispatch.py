@@ -137,7 +137,18 @@ def resolve_op(op: str, registry: Registry, platform, policy: Policy) -> Resolut
     kept, excluded = _order(op, registry.impls[op], platform, policy)
     cands: list[Candidate] = []
     chosen = None
+    requires = registry.ops[op].requires
+    need_ok, need_why = True, ""
+    if requires is not None:
+        try:
+            need_ok, need_why = requires(platform)
+        except Exception as e:  # a broken requirement check makes the op unavailable, never the engine
+            need_ok, need_why = False, f"requirement check raised {type(e).__name__}: {e}"
     for impl in kept:
+        if not need_ok:
+            cands.append(Candidate(impl.id, False, f"op {op} needs what platform {platform.name} lacks: {need_why}",
+                                   impl.source))
+            continue
         ok, reason, fn = impl.probe(platform)
         choices = _choices(op, impl, policy)
         bound = {}
@@ -172,8 +183,9 @@ class OpTable:
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "resolutions", resolutions)
         object.__setattr__(self, "_registry", registry)
-        for op in resolutions:
-            object.__setattr__(self, op, _FirstCallGuard(self, op))
+        for op, res in resolutions.items():
+            if res.chosen is not None:  # an optional op nothing serves gets no attribute (never a None)
+                object.__setattr__(self, op, _FirstCallGuard(self, op))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"the op table is frozen; {name!r} cannot be assigned")
@@ -181,6 +193,9 @@ class OpTable:
     def __getattr__(self, name):  # only reached for names that are not ops of this table
         if name.startswith("__"):
             raise AttributeError(name)
+        res = self.resolutions.get(name)
+        if res is not None:  # an optional op with no implementation here
+            raise OpUnavailableError(res.error or f"op {name!r} has no implementation here")
         raise AttributeError(f"the op table has no op {name!r}; it has: {', '.join(sorted(self.resolutions))}")
 
     def _settle(self, op: str, fn: Callable) -> None:
@@ -188,6 +203,12 @@ class OpTable:
 
     def chosen(self, op: str) -> str | None:
         return self.resolutions[op].chosen
+
+    def available(self, op: str) -> bool:
+        """Whether the table serves ``op`` (False for an optional op with no implementation here, or an op
+        this table was not resolved for)."""
+        res = self.resolutions.get(op)
+        return res is not None and res.chosen is not None
 
     def chosen_impl(self, op: str) -> Impl | None:
         """The declaration (``Impl``) of the implementation chosen for ``op``; None if the table has no such op."""
@@ -278,7 +299,7 @@ def resolve(platform, policy: Policy | None = None, registry: Registry | None = 
     resolutions = {}
     for op in ops or sorted(registry.ops):
         res = resolve_op(op, registry, platform, policy)
-        if res.error:
+        if res.error and not registry.ops[op].optional:
             raise OpUnavailableError(res.error)
         resolutions[op] = res
     return OpTable(platform, policy, resolutions, registry)
@@ -307,6 +328,11 @@ def summary_line(table: OpTable) -> str:
             f"{', '.join(ops)} past {impl} ({reason})" for (impl, reason), ops in fell_back.items())
     else:
         line += "; none fell back"
+    missing = [r for r in table.resolutions.values() if r.chosen is None]
+    if missing:  # optional ops nothing serves here, each with why (the first reason of each)
+        line += "; unavailable: " + "; ".join(
+            f"{r.op} ({r.candidates[0].impl}: {r.candidates[0].reason})" if r.candidates else f"{r.op} (no candidate)"
+            for r in missing)
     for p in table._registry.plugins:
         if not p.loaded:
             line += f"; plugin {p.name} not loaded: {p.reason}"

@@ -45,6 +45,13 @@ class OpSpec:
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     compare: Callable | None = None
     doc: str = ""
+    # An optional op may have no usable implementation on a platform: the table then has no attribute for
+    # it (``OpTable.available`` is False; touching it raises OpUnavailableError with the reason) instead of
+    # the whole resolution failing. The KV swap ops are optional: without them the engine preempts by
+    # recompute. ``requires(platform) -> (ok, reason)`` is what the op itself needs of a platform (device
+    # streams for an async copy): when it fails, every implementation is unavailable with that reason.
+    optional: bool = False
+    requires: Callable[[Any], tuple[bool, str]] | None = None
 
     @property
     def inplace(self) -> bool:

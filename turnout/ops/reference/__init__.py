@@ -5,12 +5,12 @@ from turnout.ops.spec import OpSpec
 
 def all_specs() -> list[OpSpec]:
     from turnout.ops.reference import (activation, attention, bitmask, cache, collectives, linear, moe, norm, rotary,
-                                       routing, sampling)
+                                       routing, sampling, swap)
 
     return [norm.RMS_NORM, norm.FUSED_ADD_RMS_NORM, rotary.ROTARY_EMBEDDING, rotary.QK_NORM_ROTARY, rotary.QK_NORM_ROTARY_CACHE,
             activation.SILU_AND_MUL,
             cache.RESHAPE_AND_CACHE, cache.COPY_BLOCKS, cache.SWAP_BLOCKS, attention.PAGED_ATTENTION,
             sampling.SAMPLE, moe.MOE_EXPERTS, routing.SELECT_EXPERTS, linear.SMALL_M_LINEAR,
             linear.ADD_RMS_NORM_LINEAR, attention.ROTARY_PAGED_ATTENTION,
-            bitmask.APPLY_TOKEN_BITMASK,
+            bitmask.APPLY_TOKEN_BITMASK, swap.SWAP_LAYER, swap.SWAP_LAYER_ASYNC,
             collectives.ALL_REDUCE, collectives.ALL_GATHER, collectives.REDUCE_SCATTER, collectives.ALL_TO_ALL]

@@ -76,5 +76,5 @@ RESHAPE_AND_CACHE = OpSpec("reshape_and_cache", reshape_and_cache, _rc_samples, 
                            tolerance=_EXACT, doc="write K/V into the paged cache by slot mapping; -1 skips")
 COPY_BLOCKS = OpSpec("copy_blocks", copy_blocks, _copy_samples, mutates=("caches",), tolerance=_EXACT,
                      doc="copy whole KV blocks within each cache by a (src, dst) mapping")
-SWAP_BLOCKS = OpSpec("swap_blocks", swap_blocks, _swap_samples, mutates=("dst",), tolerance=_EXACT,
+SWAP_BLOCKS = OpSpec("swap_blocks", swap_blocks, _swap_samples, mutates=("dst",), tolerance=_EXACT, optional=True,
                      doc="copy KV blocks between two caches (GPU <-> CPU) by a (src, dst) mapping")

@@ -18,6 +18,7 @@ KERNELS: dict[str, str] = {
     "reshape_and_cache": "cache:reshape_and_cache",
     "copy_blocks": "cache:copy_blocks",
     "swap_blocks": "cache:swap_blocks",
+    "swap_layer": "swap:swap_layer",
     "paged_attention": "attention:paged_attention",
     "rotary_paged_attention": "attention:rotary_paged_attention",
     "sample": "sampling:sample",

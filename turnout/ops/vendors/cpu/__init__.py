@@ -15,6 +15,7 @@ OPS = {
     "qk_norm_rotary": "rotary:qk_norm_rotary",
     "qk_norm_rotary_cache": "rotary:qk_norm_rotary_cache",
     "reshape_and_cache": "cache:reshape_and_cache",
+    "swap_layer": "swap:swap_layer",
 }
 
 

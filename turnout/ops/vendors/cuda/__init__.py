@@ -25,6 +25,10 @@ def register(registry) -> None:
         if op in registry.ops:
             registry.add_impl(Impl(op=op, id="vendor.cuda", target=f"turnout.ops.vendors.cuda.vllm_ops:{loader}",
                                    factory=True, platforms=PLATFORMS, priority=0))
+    for op in ("swap_layer", "swap_layer_async"):  # torch's own async copies (swap.py): no library needed
+        if op in registry.ops:
+            registry.add_impl(Impl(op=op, id="vendor.cuda", target=f"turnout.ops.vendors.cuda.swap:{op}",
+                                   platforms=PLATFORMS, priority=0))
     if "moe_experts" in registry.ops:
         # torch's grouped GEMM (moe.py): conformance-tested, but it lost to the Triton paths at every batch
         # size (docs/benchmarks.md, "MoE experts kernel alone"), so it ranks below Triton: the fallback where
