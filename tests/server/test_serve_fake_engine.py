@@ -247,3 +247,16 @@ def test_a_fault_traced_to_one_request_fails_it_alone(fake_server):
         t.join(30)
         assert other["r"].status_code == 200 and other["r"].json()["usage"]["completion_tokens"] == 12
         assert httpx.get(f"{srv.base_url}/health").status_code == 200
+
+
+def test_a_certain_token_keeps_its_logprob_of_zero():
+    """logprob 0.0 (a forced token, e.g. under a grammar) is a value, not a missing one (-9999)."""
+    from turnout.engine.outputs import Logprob
+    from turnout.entrypoints.openai.serving import chat_logprobs
+
+    class _State:
+        def decode_token(self, tid):
+            return chr(tid)
+
+    out = chat_logprobs(_State(), [97], [{97: Logprob(0.0, 1, "a")}], 0, 1)
+    assert out.content[0].logprob == 0.0 and out.content[0].top_logprobs[0].logprob == 0.0

@@ -290,7 +290,8 @@ def chat_logprobs(state, ids: list[int], entries: list | None, first: int, k: in
         tok = _token_text(state, tid, entry)
         tops = [P.TopLogprob(token=(t := _token_text(state, i, entry)), logprob=max(lp, -9999.0),
                              bytes=list(t.encode("utf-8"))) for i, lp in _ranked(entry or {}, k)]
-        content.append(P.ChatTokenLogprob(token=tok, logprob=_sampled_logprob(entry, tid) or -9999.0,
+        lp = _sampled_logprob(entry, tid)  # 0.0 (a certain token) is a logprob, not a missing one
+        content.append(P.ChatTokenLogprob(token=tok, logprob=-9999.0 if lp is None else lp,
                                           bytes=list(tok.encode("utf-8")), top_logprobs=tops))
     return P.ChatChoiceLogprobs(content=content)
 
