@@ -65,6 +65,11 @@ def _common(p) -> None:
                    help="launch the next decode step before the last one's tokens are read back "
                         "(default: on for GPUs, off on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
+                   help="when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)")
+    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
+    p.add_argument("--kv-offload-gb", type=float, default=0.0,
+                   help="GiB of host memory for prefix blocks evicted from the device (0: no host tier)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks (devices) of this machine")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -131,7 +136,8 @@ def build_llm(args, batch: int):
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
               load_format=load_format, seed=args.seed, ops_policy=args.ops_policy, block_size=args.block_size,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              tokenizer=bench_tokenizer(path), tensor_parallel_size=args.tensor_parallel_size)
+              tokenizer=bench_tokenizer(path), tensor_parallel_size=args.tensor_parallel_size,
+              preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
     return llm, path, load_format, time.perf_counter() - t0
 
 

@@ -25,6 +25,11 @@ def add_arguments(p) -> None:
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="no CUDA graphs (default: graphs on a GPU)")
+    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
+                   help="when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)")
+    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
+    p.add_argument("--kv-offload-gb", type=float, default=0.0,
+                   help="GiB of host memory for prefix blocks evicted from the device (0: no host tier)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks (devices) of this machine")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -43,7 +48,8 @@ def run(args) -> int:
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               load_format=args.load_format, ops_policy=args.ops_policy,
               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
+              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+              preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
     engine = llm.engine
     if args.chat:
         prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]

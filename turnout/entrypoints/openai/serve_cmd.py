@@ -52,6 +52,11 @@ def add_arguments(p) -> None:
     e.add_argument("--fair-share-seqs", type=int, default=16,
                    help="while others wait, one request runs at most this many of its sequences a step "
                         "(0: no cap)")
+    e.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
+                   help="when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)")
+    e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
+    e.add_argument("--kv-offload-gb", type=float, default=0.0,
+                   help="GiB of host memory for prefix blocks evicted from the device (0: no host tier)")
     e.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks (devices) of this machine (a process per rank)")
     e.add_argument("--block-size", type=int, default=16, help="tokens in one KV-cache block")
@@ -122,7 +127,8 @@ def build_config(args):
         load_format=args.load_format, seed=args.seed, ops_policy=args.ops_policy,
         served_model_name=(args.served_model_name or [None])[0],
         max_tokens_per_request=args.max_tokens_per_request, fair_share_seqs=args.fair_share_seqs or None,
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size,
+              preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
 
 
 def bind_socket(host: str, port: int):

@@ -1,0 +1,67 @@
+"""The swap ops' fallback chain through the real dispatch layer with fake registries and policies that
+deny implementations (seed 000: a vendor module missing two swap names must disable only those two, and
+nothing may hold a None where a callable should be)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turnout.engine.kv_transfer import choose_strategy
+from turnout.ops import Impl, OpUnavailableError, Policy, build_registry, resolve
+from turnout.ops.dispatch import summary_line
+from turnout.platforms import detect_platform
+
+CPU = detect_platform("cpu")
+
+
+def _fakechip_registry():
+    """The built-ins plus a vendor whose module lacks the per-layer swap ops (FastDeploy's Metax case)."""
+    reg = build_registry(plugins=False)
+
+    def register(view):
+        for op in ("swap_layer_async", "swap_layer"):
+            view.add_impl(Impl(op=op, id="vendor.fakechip", platforms=("cpu",),
+                               target=f"turnout.ops.reference.swap:{op.replace('swap_layer', 'swap_cache_per_layer')}"))
+    reg.run_registration("fakechip", register, source="plugin:fakechip")
+    return reg
+
+
+def test_cpu_default_skips_async_for_want_of_streams():
+    table = resolve(CPU, Policy.from_sources(platform=CPU))
+    strategy, skipped = choose_strategy(table)
+    assert strategy == ("sync per layer", "swap_layer")
+    assert [op for op, _ in skipped] == ["swap_layer_async"]
+    assert "no device streams" in skipped[0][1]
+    assert "unavailable: swap_layer_async" in summary_line(table)
+
+
+def test_missing_vendor_names_fall_back_one_by_one():
+    reg = _fakechip_registry()
+    pol = Policy.parse("swap_layer_async=vendor.fakechip;swap_layer=vendor.fakechip", source="test")
+    table = resolve(CPU, pol, registry=reg)
+    strategy, skipped = choose_strategy(table)
+    assert strategy == ("whole cache", "swap_blocks")  # the rest of the table is intact
+    assert dict(skipped).keys() == {"swap_layer_async", "swap_layer"}
+    assert "no attribute 'swap_cache_per_layer'" in dict(skipped)["swap_layer"]
+    for op in ("swap_layer_async", "swap_layer"):
+        assert not table.available(op)
+        with pytest.raises(OpUnavailableError, match=op):  # never a None standing in for the callable
+            getattr(table, op)
+    src, dst = torch.randn(4, 2, 3), torch.zeros(4, 2, 3)
+    table.swap_blocks(src, dst, torch.tensor([[0, 3], [2, 1]]))
+    assert torch.equal(dst[3], src[0]) and torch.equal(dst[1], src[2])
+
+
+def test_no_swap_op_at_all_leaves_the_engine_table_whole():
+    pol = Policy.parse("swap_layer_async=vendor.cuda;swap_layer=vendor.cuda;swap_blocks=vendor", source="test")
+    table = resolve(CPU, pol)  # optional ops: no OpUnavailableError for the whole table
+    strategy, skipped = choose_strategy(table)
+    assert strategy is None and [op for op, _ in skipped] == ["swap_layer_async", "swap_layer", "swap_blocks"]
+    assert table.available("paged_attention") and callable(table.paged_attention)
+    assert "not in the policy's order for swap_blocks" in dict(skipped)["swap_blocks"]
+
+
+def test_a_required_op_still_fails_resolution():
+    with pytest.raises(OpUnavailableError, match="rms_norm"):
+        resolve(CPU, Policy.parse("rms_norm=vendor.cuda", source="test"))
