@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from conftest import InProcessServer  # at collection, while tests/server's conftest is the one imported
 from serve_fakes import FakeEngine
 
 from turnout.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineDraining, QueueFull
@@ -84,7 +85,6 @@ def test_loading_returns_503(fake_server):
     import threading
 
     from turnout.entrypoints.openai.api_server import ServerState
-    from conftest import InProcessServer
 
     gate = threading.Event()
 

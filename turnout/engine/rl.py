@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -57,7 +58,9 @@ class RolloutControl:
     """Held by the LLMEngine (``engine.rl``); every method runs in the thread that steps the engine."""
 
     def __init__(self, engine):
-        self.engine = engine
+        # a proxy, not a reference: the engine holds this object, and a cycle would keep a dropped engine
+        # (its weights and KV cache, GiBs on a GPU) alive until the cyclic garbage collector runs
+        self.engine = weakref.proxy(engine)
         self.weights_asleep = False
         self.kv_asleep = False
         self.sleep_level: int | None = None
@@ -238,7 +241,9 @@ class GenerationGate:
     applied at once."""
 
     def __init__(self, engine):
-        self.engine = engine
+        # a proxy, not a reference: the engine holds this object, and a cycle would keep a dropped engine
+        # (its weights and KV cache, GiBs on a GPU) alive until the cyclic garbage collector runs
+        self.engine = weakref.proxy(engine)
         self._cv = threading.Condition()
         self._running = False
         self._parked = False
