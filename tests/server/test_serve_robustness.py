@@ -86,7 +86,8 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    (CHAT, {"messages": MSGS, "guided_regex": "("}, 400, "guided_regex"),
     (CHAT, {"messages": MSGS, "temperature": float("nan")}, 400, None),
 ]
 

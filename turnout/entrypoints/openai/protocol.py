@@ -44,6 +44,15 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = False  # vLLM extension
     logit_bias: dict[str, float] | None = None  # not supported: rejected when non-empty
     user: str | None = None
+    # structured output (vLLM's fields; turnout/structured/request.py reads them and names the one at fault)
+    response_format: dict[str, Any] | None = None  # json_object / json_schema / structural_tag
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -75,7 +84,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None  # not supported: rejected unless tool_choice == "none"
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
     add_generation_prompt: bool | None = True  # vLLM extension
 
 

@@ -43,7 +43,27 @@ class Prompt:
     text: str | None = None  # for echo
 
 
-def _sampling_params(req, *, max_tokens, logprobs, rename) -> SamplingParams:
+async def _structured_outputs(state, req):
+    """The request's structured-output constraint (response_format, structured_outputs, guided_*), compiled
+    off the event loop so admission finds it cached; None when it asks for none. A bad spec is a 400
+    naming the request field (``param``)."""
+    from turnout.structured import StructuredOutputsError, from_request
+
+    try:
+        so = from_request(req)
+        if so is None:
+            return None
+        ip = getattr(state.engine, "input_processor", None)  # the real engine (a fake one has none)
+        if ip is not None:
+            await ip.grammar_compiler().compile_async(so)
+    except StructuredOutputsError as e:
+        raise bad_request(str(e), param=e.field) from None
+    except ValueError as e:  # the model has no tokenizer
+        raise from_value_error(e) from None
+    return so
+
+
+def _sampling_params(req, *, max_tokens, logprobs, rename, structured_outputs=None) -> SamplingParams:
     def opt(v, default):
         return default if v is None else v
 
@@ -55,7 +75,7 @@ def _sampling_params(req, *, max_tokens, logprobs, rename) -> SamplingParams:
             repetition_penalty=opt(req.repetition_penalty, 1.0), stop=req.stop, stop_token_ids=req.stop_token_ids,
             max_tokens=max_tokens, min_tokens=opt(req.min_tokens, 0), ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs, include_stop_str_in_output=bool(req.include_stop_str_in_output),
-            skip_special_tokens=opt(req.skip_special_tokens, True))
+            skip_special_tokens=opt(req.skip_special_tokens, True), structured_outputs=structured_outputs)
     except ValueError as e:
         raise from_value_error(e, rename) from None
 

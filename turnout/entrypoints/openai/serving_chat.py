@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from turnout.entrypoints.openai import protocol as P
 from turnout.entrypoints.openai.errors import bad_request
 from turnout.entrypoints.openai.serving import (SSE_HEADERS, Prompt, _admit, _common_checks, _Delta, _engine_error,
+                                                _structured_outputs,
                                                 _Exchange, _fit_context, _holdback, _new_id, _now,
                                                 _sampling_params, _usage, chat_logprobs, parse, sse)
 
@@ -34,9 +35,6 @@ def _checks(req: P.ChatCompletionRequest) -> None:
     _common_checks(req)
     if req.tools and req.tool_choice != "none":
         raise bad_request("tools (function calling) is not supported", param="tools", code="unsupported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format: only {\"type\": \"text\"} is supported", param="response_format",
-                          code="unsupported")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
 
@@ -52,7 +50,8 @@ async def create_chat_completion(state, request: Request):
         max_tokens, mt_name = req.max_completion_tokens, "max_completion_tokens"
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=k,
-                              rename={"max_tokens": mt_name, "logprobs": "top_logprobs"})
+                              rename={"max_tokens": mt_name, "logprobs": "top_logprobs"},
+                              structured_outputs=await _structured_outputs(state, req))
     ids = await state.chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False)
     params = _fit_context(params, len(ids), state.max_model_len, mt_name, "messages")
     base = _new_id("chatcmpl")

@@ -11,6 +11,7 @@ from turnout.entrypoints.openai import protocol as P
 from turnout.entrypoints.openai.errors import bad_request
 from turnout.entrypoints.openai.serving import (MAX_CHOICES_PER_REQUEST, MAX_PROMPTS_PER_REQUEST, SSE_HEADERS,
                                                 Prompt, _admit, _common_checks, _Delta, _engine_error,
+                                                _structured_outputs,
                                                 _Exchange, _fit_context, _holdback, _new_id, _now,
                                                 _sampling_params, _usage, completion_logprobs, parse, sse)
 
@@ -65,7 +66,8 @@ async def create_completion(state, request: Request):
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo",
                           code="unsupported")
     state.require_ready()
-    params = _sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, rename={})
+    params = _sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, rename={},
+                              structured_outputs=await _structured_outputs(state, req))
     prompts = await _prompts(state, req)
     if len(prompts) * params.n > MAX_CHOICES_PER_REQUEST:
         raise bad_request(f"n: {len(prompts)} prompts x n={params.n} exceeds {MAX_CHOICES_PER_REQUEST} choices",
