@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args
 from turnout.entrypoints.bench_models import (NullTokenizer, bench_tokenizer, config_roots,  # noqa: F401
                                           has_tokenizer_files, random_prompts, resolve_model)
 
@@ -65,13 +66,7 @@ def _common(p) -> None:
                    help="launch the next decode step before the last one's tokens are read back "
                         "(default: on for GPUs, off on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
-                   help="when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)")
-    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
-    p.add_argument("--kv-offload-gb", type=float, default=0.0,
-                   help="GiB of host memory for prefix blocks evicted from the device (0: no host tier)")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many ranks (devices) of this machine")
+    add_kv_tier_and_parallel_args(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None, help="default: input-len + output-len")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

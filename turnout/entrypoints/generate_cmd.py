@@ -3,6 +3,8 @@
 import argparse
 import sys
 
+from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args
+
 
 def add_arguments(p) -> None:
     # The positionals are the prompts (any text), so the model is always --model: a positional MODEL before
@@ -25,13 +27,7 @@ def add_arguments(p) -> None:
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="no CUDA graphs (default: graphs on a GPU)")
-    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
-                   help="when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)")
-    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
-    p.add_argument("--kv-offload-gb", type=float, default=0.0,
-                   help="GiB of host memory for prefix blocks evicted from the device (0: no host tier)")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many ranks (devices) of this machine")
+    add_kv_tier_and_parallel_args(p)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before the last one's tokens are read back "
                         "(default: on for GPUs, off on CPU)")

@@ -17,6 +17,7 @@ import logging
 import signal
 
 from turnout import envs
+from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args
 
 logger = logging.getLogger("turnout.serve")
 
@@ -52,13 +53,7 @@ def add_arguments(p) -> None:
     e.add_argument("--fair-share-seqs", type=int, default=16,
                    help="while others wait, one request runs at most this many of its sequences a step "
                         "(0: no cap)")
-    e.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
-                   help="when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)")
-    e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
-    e.add_argument("--kv-offload-gb", type=float, default=0.0,
-                   help="GiB of host memory for prefix blocks evicted from the device (0: no host tier)")
-    e.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many ranks (devices) of this machine (a process per rank)")
+    add_kv_tier_and_parallel_args(e)
     e.add_argument("--block-size", type=int, default=16, help="tokens in one KV-cache block")
     e.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache bytes (CPU default 1 GiB)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
