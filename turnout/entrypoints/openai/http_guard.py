@@ -24,6 +24,7 @@ from turnout.entrypoints.openai.errors import error_response
 
 logger = logging.getLogger("turnout.serve")
 
+_DRAIN_FACTOR = 16  # bodies up to 16x the limit are read away before the 413; larger ones are cut off
 _JSON = b"application/json"
 
 
@@ -175,6 +176,11 @@ class RequestGuard:
                                  headers={"Connection": "close"})
         declared = next((v for k, v in headers if k == b"content-length"), None)
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            if declared.isdigit() and int(declared) <= _DRAIN_FACTOR * limit:
+                # read the body away first (the body deadline still bounds a slow sender): a client still
+                # sending when the server closes sees a reset, not the 413 that names the limit
+                while (msg := await receive())["type"] != "http.disconnect" and msg.get("more_body", False):
+                    pass
             return await too_big(scope, receive, send)
         chunks, size = [], 0
         while True:
