@@ -349,6 +349,18 @@ def format_table(res: dict) -> str:
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
 
+def _report(res: dict, table: str, json_path: str | None) -> int:
+    """Print the table and the JSON (and write it to ``json_path``); exit status 1 when anything failed."""
+    print(table)
+    print(json.dumps(res, indent=2))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=2)
+    for f in res["failures"]:
+        print(f"FAIL: {f}", file=sys.stderr)
+    return 1 if res["failures"] else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -374,25 +386,11 @@ def main(argv=None) -> int:
                                     short_max_tokens=a.short_max_tokens, big_n=a.big_n,
                                     big_max_tokens=a.big_max_tokens, seed=a.seed, model=a.model, api_key=a.api_key,
                                     rounds=a.rounds))
-        print(format_mixed_table(res))
-        print(json.dumps(res, indent=2))
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=2)
-        for f in res["failures"]:
-            print(f"FAIL: {f}", file=sys.stderr)
-        return 1 if res["failures"] else 0
+        return _report(res, format_mixed_table(res), a.json)
     res = asyncio.run(run_load(a.base_url, num_requests=a.num_requests, concurrency=a.concurrency,
                                max_tokens=a.max_tokens, disconnect_frac=a.disconnect_frac, seed=a.seed,
                                model=a.model, api_key=a.api_key, verify=a.verify))
-    print(format_table(res))
-    print(json.dumps(res, indent=2))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
-    for f in res["failures"]:
-        print(f"FAIL: {f}", file=sys.stderr)
-    return 1 if res["failures"] else 0
+    return _report(res, format_table(res), a.json)
 
 
 if __name__ == "__main__":
