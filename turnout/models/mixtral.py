@@ -2,18 +2,15 @@
 
 Routing: softmax over the top-k logits (the same weights as softmax, top-k, renormalise). Checkpoint
 names: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2``
-(down); ours live under ``mlp`` like every other family.
+(down); ours live under ``mlp`` like every other family. Tensor / expert parallel: turnout/models/moe_decoder.py.
 """
 
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.moe.experts import expert_weight_rules
-from turnout.layers.moe.layer import SparseMoeBlock
-from turnout.layers.moe.router import RoutingConfig
-from turnout.models.decoder import DecoderForCausalLM
+from turnout.models.moe_decoder import MoeDecoderForCausalLM
 
 
-class MixtralForCausalLM(DecoderForCausalLM):
-    supports_tensor_parallel = False  # the expert blocks (turnout/layers/moe) are not split per rank yet
+class MixtralForCausalLM(MoeDecoderForCausalLM):
     weight_name_rules = [
         *expert_weight_rules(module=r"block_sparse_moe\.experts", names={"w1": "gate", "w3": "up", "w2": "down"}),
         (r"(^|\.)block_sparse_moe\.gate\.weight$", r"\g<1>mlp.gate.weight", None),
@@ -23,5 +20,4 @@ class MixtralForCausalLM(DecoderForCausalLM):
 
     def make_mlp(self, config, layer_idx: int, ops, plan: FusionPlan = NO_FUSIONS):
         # Mixtral experts are `intermediate_size` wide; there are no dense layers.
-        return SparseMoeBlock(config.hidden_size, config.intermediate_size, RoutingConfig.from_hf_config(config), ops,
-                              plan=plan)
+        return self.sparse_block(config, ops, plan, config.intermediate_size)

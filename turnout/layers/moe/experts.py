@@ -5,6 +5,19 @@ layout the ``moe_experts`` op takes and the one transformers 5 keeps in memory, 
 already stores stacked tensors loads as is. Per-expert checkpoint tensors (``experts.{e}.gate_proj``,
 Mixtral's ``experts.{e}.w1``) load into their slice through ``weight_loader`` with shard id
 ``(expert_id, "gate" | "up" | "down")``; the model's ``weight_name_rules`` produce those ids.
+
+Across the ranks of a tensor-parallel group (``tp``) the experts are split one of two ways, and each loader
+takes this rank's slice of a full checkpoint tensor, per-expert or stacked:
+
+- tensor parallel (the default): every rank holds every expert, split by the intermediate dim like a dense
+  MLP: rank r holds rows [r I/W, (r+1) I/W) of each expert's gate and of its up (back to back, so the op's
+  gate-then-up layout holds locally) and those columns of its down;
+- expert parallel (``expert_parallel``): rank r holds the whole experts [r E/W, (r+1) E/W). The routing
+  (made once, identically on every rank) is kept as is; ids of another rank's experts become -1, which the
+  op skips.
+
+Either way ``forward`` returns this rank's partial sum of the routed output; the MoE block sums over the
+ranks with one ``all_reduce`` (with the shared expert's partial sum folded in).
 """
 
 from __future__ import annotations
@@ -13,6 +26,9 @@ import re
 
 import torch
 from torch import nn
+
+from turnout.distributed.parallel_state import SINGLE, TPGroup
+from turnout.layers.linear import _split
 
 EXPERT_SHARDS = ("gate", "up", "down")
 
@@ -24,53 +40,88 @@ def _check(what: str, want: tuple, loaded: torch.Tensor) -> None:
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops, *, tp: TPGroup = SINGLE,
+                 expert_parallel: bool = False):
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # all of them: the routing's E
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size  # full, per expert
         self.ops = ops
-        # [E, 2I, H] and [E, H, I]; filled by the weight loaders.
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
-                                      requires_grad=False)
-        # The walker counts a parameter loaded once every shard id listed here was seen.
-        self.gate_up_proj.shard_ids = tuple((e, s) for e in range(num_experts) for s in ("gate", "up"))
-        self.down_proj.shard_ids = tuple((e, "down") for e in range(num_experts))
+        self.tp = tp
+        self.expert_parallel = expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            if num_experts % tp.size:
+                raise ValueError(f"enable_expert_parallel: num_experts {num_experts} is not divisible by "
+                                 f"tensor_parallel_size {tp.size}")
+            self.num_local_experts, self.local_intermediate = num_experts // tp.size, intermediate_size
+            self.expert_start, self.inter_start = tp.rank * self.num_local_experts, 0
+        else:
+            self.num_local_experts = num_experts
+            self.local_intermediate = _split(intermediate_size, tp.size, "moe intermediate size")
+            self.expert_start, self.inter_start = 0, tp.rank * self.local_intermediate
+        el, il = self.num_local_experts, self.local_intermediate
+        # [E_local, 2 I_local, H] and [E_local, H, I_local]; filled by the weight loaders.
+        self.gate_up_proj = nn.Parameter(torch.empty(el, 2 * il, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(el, hidden_size, il), requires_grad=False)
+        # The walker counts a parameter loaded once every shard id listed here was seen: this rank's experts.
+        mine = range(self.expert_start, self.expert_start + el)
+        self.gate_up_proj.shard_ids = tuple((e, s) for e in mine for s in ("gate", "up"))
+        self.down_proj.shard_ids = tuple((e, "down") for e in mine)
         self.gate_up_proj.weight_loader = self.weight_loader
         self.down_proj.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id=None, shard: str | None = None):
-        """Copy one checkpoint tensor into the stack.
+        """Copy this rank's slice of one full checkpoint tensor into the stack.
 
         ``weight_loader(param, t, expert_id, shard)``, or ``weight_loader(param, t, (expert_id, shard))`` as the
-        generic weight-map walker calls it; no expert id: ``t`` is the whole stacked tensor.
+        generic weight-map walker calls it; no expert id: ``t`` is the whole stacked tensor ([E, 2I, H] or
+        [E, H, I]). An expert another rank holds (expert parallel) is skipped.
         """
         if isinstance(expert_id, tuple):
             expert_id, shard = expert_id
+        e0, el, i0, il = self.expert_start, self.num_local_experts, self.inter_start, self.local_intermediate
+        inter, hidden = self.intermediate_size, self.hidden_size
         if expert_id is None:
-            _check("the stacked experts", tuple(param.shape), loaded)
-            param.data.copy_(loaded)
+            gate_up = param is self.gate_up_proj
+            _check("the stacked experts", (self.num_experts, 2 * inter, hidden) if gate_up
+                   else (self.num_experts, hidden, inter), loaded)
+            mine = loaded.narrow(0, e0, el)
+            if gate_up:  # this rank's gate rows, then its up rows
+                param.data.narrow(1, 0, il).copy_(mine.narrow(1, i0, il))
+                param.data.narrow(1, il, il).copy_(mine.narrow(1, inter + i0, il))
+            else:
+                param.data.copy_(mine.narrow(2, i0, il))
             return
         if not 0 <= int(expert_id) < self.num_experts:
             raise ValueError(f"expert id {expert_id} out of range [0, {self.num_experts})")
-        e, inter, hidden = int(expert_id), self.intermediate_size, self.hidden_size
+        e = int(expert_id)
         if param is self.gate_up_proj and shard in ("gate", "up"):
             _check(f"expert {e} {shard}", (inter, hidden), loaded)
-            param.data[e].narrow(0, 0 if shard == "gate" else inter, inter).copy_(loaded)
         elif param is self.down_proj and shard == "down":
             _check(f"expert {e} down", (hidden, inter), loaded)
-            param.data[e].copy_(loaded)
         else:
             raise ValueError(f"shard {shard!r} does not belong in this parameter {tuple(param.shape)}")
+        if not e0 <= e < e0 + el:  # another rank's expert
+            return
+        if shard == "down":
+            param.data[e - e0].copy_(loaded.narrow(1, i0, il))
+        else:
+            param.data[e - e0].narrow(0, 0 if shard == "gate" else il, il).copy_(loaded.narrow(0, i0, il))
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] with the routing as given -> [T, H]."""
+        """hidden [T, H] with the routing as given -> this rank's partial sum [T, H] (the whole sum on one rank)."""
+        if self.expert_parallel:  # global ids -> this rank's; another rank's experts -> -1 (skipped by the op)
+            local = topk_ids - self.expert_start
+            topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
         return self.ops.moe_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+        split = ""
+        if self.expert_parallel:
+            split = f", experts {self.expert_start}+{self.num_local_experts} of ep {self.tp.size}"
+        elif self.tp.size > 1:
+            split = f", intermediate {self.inter_start}+{self.local_intermediate} of tp {self.tp.size}"
+        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{split}"
 
 
 def expert_weight_rules(module: str = r"mlp\.experts", target: str = "mlp.experts",

@@ -11,6 +11,12 @@ Data flow for hidden x [T, H]::
     y += sigmoid(shared_expert_gate(x)) * shared_expert(x)   (Qwen2-MoE)
 
 Routing happens here, once; the experts op receives it and never recomputes it.
+
+Under tensor parallelism (``tp``) the router and the latent projections are replicated (every rank routes the
+same tokens identically), the shared expert is a TP dense MLP and the routed experts are split by the
+intermediate dim or, with ``expert_parallel``, by expert id (turnout/layers/moe/experts.py). Each rank's
+routed and shared outputs are partial sums, added, then summed over the ranks with one ``ops.all_reduce``
+(the shared gate is a per-token scalar, so it scales the partial sums as it would the whole).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, one_row_path, project
@@ -66,13 +73,16 @@ class Router(nn.Module):
 
 
 class SharedExpertMLP(nn.Module):
-    """A dense SwiGLU expert every token goes through (HF names: gate_proj/up_proj packed, down_proj)."""
+    """A dense SwiGLU expert every token goes through (HF names: gate_proj/up_proj packed, down_proj).
+    Under TP its intermediate dim is split and its output is this rank's partial sum: the block reduces."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, ops, plan: FusionPlan = NO_FUSIONS):
+    def __init__(self, hidden_size: int, intermediate_size: int, ops, plan: FusionPlan = NO_FUSIONS,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size],
-                                                       ops=ops, plan=plan)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, ops=ops, plan=plan)
+                                                       tp=tp, ops=ops, plan=plan)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp, ops=ops, plan=plan,
+                                           reduce_results=False)
         self.act_fn = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +101,8 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe_intermediate_size: int, routing: RoutingConfig, ops, *,
                  shared_intermediate_size: int = 0, shared_gated: bool = False,
                  shared_name: str = "shared_experts", latent_size: int | None = None,
-                 router_logits_fp32: bool = False, plan: FusionPlan = NO_FUSIONS):
+                 router_logits_fp32: bool = False, plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE,
+                 expert_parallel: bool = False):
         super().__init__()
         self.routing = routing
         self.gate = Router(hidden_size, routing, logits_fp32=router_logits_fp32, ops=ops, plan=plan)
@@ -100,12 +111,15 @@ class SparseMoeBlock(nn.Module):
         if self.latent:
             self.fc1_latent_proj = ReplicatedLinear(hidden_size, latent_size, bias=False, ops=ops, plan=plan)
             self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden_size, bias=False, ops=ops, plan=plan)
-        self.experts = FusedExperts(routing.num_experts, expert_dim, moe_intermediate_size, ops)
+        self.experts = FusedExperts(routing.num_experts, expert_dim, moe_intermediate_size, ops, tp=tp,
+                                    expert_parallel=expert_parallel)
         self.shared_name = shared_name if shared_intermediate_size else None
         if shared_intermediate_size:
-            self.add_module(shared_name, SharedExpertMLP(hidden_size, shared_intermediate_size, ops, plan))
+            self.add_module(shared_name, SharedExpertMLP(hidden_size, shared_intermediate_size, ops, plan, tp))
             self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, bias=False, ops=ops, plan=plan)
                                        if shared_gated else None)
+        self.tp = tp
+        self.reduce_ops = ops if tp.size > 1 else None  # decided once: a world of one makes no collective call
 
     takes_pending_norm = True  # the router's projection may compute the layer's pre-norm (PendingNorm)
 
@@ -121,6 +135,8 @@ class SparseMoeBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
             out = out + shared
+        if self.reduce_ops is not None:
+            out = self.reduce_ops.all_reduce(out, self.tp.group)  # [T, H]: the ranks' partial sums, in place
         return out
 
 
