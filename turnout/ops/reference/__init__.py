@@ -4,8 +4,8 @@ from turnout.ops.spec import OpSpec
 
 
 def all_specs() -> list[OpSpec]:
-    from turnout.ops.reference import (activation, attention, bitmask, cache, collectives, linear, moe, norm, rotary,
-                                       routing, sampling, swap)
+    from turnout.ops.reference import (activation, attention, bitmask, cache, collectives, fp8, linear, moe, norm,
+                                       rotary, routing, sampling, swap)
 
     return [norm.RMS_NORM, norm.FUSED_ADD_RMS_NORM, rotary.ROTARY_EMBEDDING, rotary.QK_NORM_ROTARY, rotary.QK_NORM_ROTARY_CACHE,
             activation.SILU_AND_MUL,
@@ -13,4 +13,5 @@ def all_specs() -> list[OpSpec]:
             sampling.SAMPLE, moe.MOE_EXPERTS, routing.SELECT_EXPERTS, linear.SMALL_M_LINEAR,
             linear.ADD_RMS_NORM_LINEAR, attention.ROTARY_PAGED_ATTENTION,
             bitmask.APPLY_TOKEN_BITMASK, swap.SWAP_LAYER, swap.SWAP_LAYER_ASYNC,
-            collectives.ALL_REDUCE, collectives.ALL_GATHER, collectives.REDUCE_SCATTER, collectives.ALL_TO_ALL]
+            collectives.ALL_REDUCE, collectives.ALL_GATHER, collectives.REDUCE_SCATTER, collectives.ALL_TO_ALL,
+            fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR]
