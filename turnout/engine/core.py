@@ -81,6 +81,8 @@ class CoreOutput:
     forked: list[Sequence] = field(default_factory=list)  # new samples of n > 1 requests, before their tokens
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message) failed by a fault
     scheduled_request_ids: set[str] = field(default_factory=set)  # requests that computed in a launched step
+    # per-request results besides tokens (prompt logprob chunks, routed experts), each with ``request_id``
+    side_outputs: list = field(default_factory=list)
 
 
 @dataclass
@@ -204,6 +206,7 @@ class EngineCore:
                     if out.swap_in:
                         self.runner.flush_swaps()
                     return None
+        self._pending.side_outputs.extend(self.runner.take_side_outputs())
         for s in out.scheduled:
             self._pending.scheduled_request_ids.add(s.seq.request_id)
             if s.start < s.seq.num_prompt_tokens:

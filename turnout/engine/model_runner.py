@@ -11,6 +11,7 @@ import torch
 
 from turnout.engine.cuda_graphs import maybe_capture
 from turnout.engine.kv_transfer import KVTransfer, LayerGatedCaches
+from turnout.engine.prompt_logprobs import compute_chunks, merge_rows, prompt_rows
 from turnout.engine.rank_memory import RankMemory
 from turnout.layers.attention import AttentionMetadata
 from turnout.engine.sequence import SequenceFaults
@@ -75,6 +76,7 @@ class ModelRunner:
         # Sleep / wake and in-place weight updates of this rank (the RL control plane; collective_rpc reaches it)
         self.memory = RankMemory(self)
         self.grammar_stage = None  # made by _grammar_stage() when a grammar lane first samples
+        self._side_outputs: list = []  # per-request results of launched steps besides tokens (take_side_outputs)
 
     @property
     def pdl(self) -> bool:
@@ -278,9 +280,13 @@ class ModelRunner:
         pending = input_tokens is not None
         input_ids, positions, meta, sample_idx = self.prepare_host(scheduled, pending)
         gate, self._swap_gate = self._swap_gate, None  # taken once the step is sure to run (no SequenceFaults)
+        # prompt_logprobs: the rows predicting a prompt token go through compute_logits with the sampled ones
+        prompt = prompt_rows(scheduled) if not pending else None
+        logit_idx, sample_at, prompt_at = merge_rows(sample_idx, prompt) if prompt else (sample_idx, None, None)
+        want_logits = bool(lanes) or bool(prompt)
         if self.step_publisher is not None:  # the other ranks run the same forward
-            self.step_publisher.step(input_ids, positions, meta, sample_idx, bool(lanes), input_tokens)
-        if lanes and self.graphs is not None and self.graphs.can_run(len(sample_idx), meta):
+            self.step_publisher.step(input_ids, positions, meta, logit_idx, want_logits, input_tokens)
+        if want_logits and self.graphs is not None and self.graphs.can_run(len(logit_idx), meta):
             # pure decode: replay a CUDA graph
             if gate is not None:  # the graph reads every layer: all the swap-ins first
                 gate.finish()
@@ -291,11 +297,16 @@ class ModelRunner:
                 input_ids = input_tokens.to(torch.long)
             caches = self.kv_caches if gate is None else LayerGatedCaches(self.kv_caches, gate)
             hidden = self.model(input_ids, positions, caches, meta)
+            if not want_logits:
+                return None
+            if len(logit_idx) != hidden.shape[0]:  # logit_idx is increasing: equal lengths = every row
+                hidden = hidden.index_select(0, self._h2d(logit_idx, torch.long))
+            logits = self.model.compute_logits(hidden)
+        if prompt:
+            self._side_outputs.extend(compute_chunks(logits.index_select(0, self._h2d(prompt_at, torch.long)), prompt))
             if not lanes:
                 return None
-            if len(sample_idx) != hidden.shape[0]:  # sample_idx is increasing: equal lengths = every row
-                hidden = hidden.index_select(0, self._h2d(sample_idx, torch.long))
-            logits = self.model.compute_logits(hidden)
+            logits = logits.index_select(0, self._h2d(sample_at, torch.long))
         if self._upload is None:
             batch, faults = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
         else:  # queued behind the forward's own input copies, the sampling inputs' copies overlap the forward
@@ -311,6 +322,13 @@ class ModelRunner:
             return SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device), faults=faults)
         out = sample(self.ops, logits, batch, self._grammar_stage() if batch.grammars else None)
         out.faults.update(faults)
+        return out
+
+    def take_side_outputs(self) -> list:
+        """What the steps launched since the last call computed for particular requests besides their
+        tokens (prompt logprob chunks, turnout/engine/prompt_logprobs.py), each with ``request_id``;
+        the core hands them to the output processor."""
+        out, self._side_outputs = self._side_outputs, []
         return out
 
     def flush_swaps(self) -> None:

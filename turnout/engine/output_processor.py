@@ -29,6 +29,8 @@ class RequestState:
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     num_cached_tokens: int = 0
     error: str | None = None
+    # prompt_logprobs: one entry per prompt position (None at 0), filled chunk by chunk (side outputs)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -45,7 +47,10 @@ class OutputProcessor:
         self.generation_tokens_total = 0
 
     def add_request(self, req: EngineRequest) -> None:
-        self.requests[req.request_id] = RequestState(req, RequestMetrics(arrival_time=req.arrival_time))
+        state = RequestState(req, RequestMetrics(arrival_time=req.arrival_time))
+        if req.params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(req.prompt_token_ids)
+        self.requests[req.request_id] = state
         self.add_sample(req.request_id, 0)
 
     def add_sample(self, request_id: str, index: int) -> None:
@@ -98,6 +103,10 @@ class OutputProcessor:
             if state is not None:
                 self._fail(state, message)
                 touched[rid] = state
+        for side in core_out.side_outputs:
+            state = self.requests.get(side.request_id)
+            if state is not None and state.error is None:
+                self._take_side_output(state, side)
         for st in core_out.sampled:
             state = self.requests.get(st.seq.request_id)
             if state is None or state.error is not None:
@@ -127,6 +136,17 @@ class OutputProcessor:
                 continue
             outputs.append(self._request_output(state))
         return outputs, ended, failed
+
+    def _take_side_output(self, state: RequestState, side) -> None:
+        """A prompt logprob chunk (turnout/engine/prompt_logprobs.py): its positions written in place, so a
+        prompt recomputed after a preemption writes the same values again."""
+        if state.prompt_logprobs is None:
+            return
+        for pos, tok, lp, rank, top in side.rows():
+            entry = {tok: Logprob(lp, rank, self._decode_one(tok))}
+            for r, (t, tlp) in enumerate(top):
+                entry.setdefault(t, Logprob(tlp, r + 1, self._decode_one(t)))
+            state.prompt_logprobs[pos] = entry
 
     def _fail(self, state: RequestState, message: str) -> None:
         state.error = message
@@ -180,5 +200,6 @@ class OutputProcessor:
                                   list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
                  for _, c in sorted(state.completions.items())]
         req = state.request
+        plp = None if state.prompt_logprobs is None else list(state.prompt_logprobs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, state.finished, state.metrics,
-                             state.num_cached_tokens, error=state.error)
+                             state.num_cached_tokens, prompt_logprobs=plp, error=state.error)

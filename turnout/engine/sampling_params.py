@@ -79,6 +79,12 @@ class SamplingParams:
     # structured output (vLLM's name and shape): a turnout.structured.StructuredOutputsParams, or a dict of
     # its fields; compiled against the vocabulary at admission (turnout/engine/input_processor.py)
     structured_outputs: object | None = None
+    # vLLM's: for every prompt position after the first, the logprob of the prompt token there and the top-k
+    # (RequestOutput.prompt_logprobs; None at position 0). Such a request bypasses the prefix cache.
+    prompt_logprobs: int | None = None
+    # MoE models: CompletionOutput.routed_experts, the expert ids select_experts chose in every MoE layer
+    # for every token the model read (turnout/engine/routed_experts.py). Bypasses the prefix cache too.
+    return_routed_experts: bool = False
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self):
@@ -107,6 +113,11 @@ class SamplingParams:
             need(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {_short(getattr(self, name))}")
         need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"must be an integer in [0, {MAX_LOGPROBS}], got {_short(self.logprobs)}")
+        need(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                              and 0 <= self.prompt_logprobs <= MAX_LOGPROBS), "prompt_logprobs",
+             f"must be an integer in [0, {MAX_LOGPROBS}], got {_short(self.prompt_logprobs)}")
+        need(isinstance(self.return_routed_experts, bool), "return_routed_experts",
+             f"must be a boolean, got {_short(self.return_routed_experts)}")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop if self.stop is not None else [])
         need(isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop), "stop",
              "must be a non-empty string or a list of non-empty strings")
@@ -163,6 +174,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """Every prompt position must be computed (its logits or its routing are returned)."""
+        return self.prompt_logprobs is not None or self.return_routed_experts
 
     @property
     def has_penalties(self) -> bool:

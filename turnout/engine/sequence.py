@@ -101,6 +101,8 @@ class Sequence:
         # structured output: each sample its own state (a fork gets a copy); its mask is a stage of the
         # sampler, and the core advances it with each token drawn
         self.grammar: GrammarState | None = None
+        # prompt_logprobs / routed experts need every position computed: no prefix-cache hits (kv/block_manager.py)
+        self.skip_prefix_cache = params is not None and getattr(params, "skip_prefix_cache", False)
 
     # ---- tokens ---------------------------------------------------------------------------------
     @property

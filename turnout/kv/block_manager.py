@@ -152,8 +152,8 @@ class BlockManager:
         """Ids of cached blocks holding ``seq``'s leading full blocks (a ``HostHit`` where the block is in
         the host tier only). The block that holds the last token never counts, so at least one token is
         computed (its logits are needed). No state changes."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or getattr(seq, "skip_prefix_cache", False):
+            return []  # (a sequence whose every prompt position must be computed: prompt_logprobs)
         bs, tokens = self.block_size, seq.token_ids
         hits: list = []
         parent = None
