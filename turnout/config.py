@@ -38,6 +38,9 @@ class EngineConfig:
     # (turnout/executor) runs them: uniproc for one rank, mp (a process per rank) for several.
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: uniproc for one rank, mp for several
+    # MoE models: the tensor-parallel ranks split the routed experts by expert id (rank r holds experts
+    # [r E/W, (r+1) E/W)) instead of each expert's intermediate dim; attention stays TP-sharded.
+    enable_expert_parallel: bool = False
     # KV tiers (docs/architecture.md, "KV tiers"). How a sequence gives up its blocks when the cache is full:
     # "recompute" (free them, prefill again later), "swap" (copy them to the host pool, copy them back
     # before it runs again) or "auto" (swap where moving the blocks costs less than recomputing them, from

@@ -22,6 +22,7 @@ class LLM:
                  tokenizer: str | None = None, async_scheduling: bool | None = None,
                  max_tokens_per_request: int | None = None, fair_share_seqs: int | None = 16,
                  tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
+                 enable_expert_parallel: bool = False,
                  preemption_mode: str = "auto", swap_space: float = 4.0, kv_offload_gb: float = 0.0):
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -32,6 +33,7 @@ class LLM:
                                    max_tokens_per_request=max_tokens_per_request, fair_share_seqs=fair_share_seqs,
                                    tensor_parallel_size=tensor_parallel_size,
                                    distributed_executor_backend=distributed_executor_backend,
+                                   enable_expert_parallel=enable_expert_parallel,
                                    preemption_mode=preemption_mode, swap_space=swap_space,
                                    kv_offload_gb=kv_offload_gb)
         self.engine = LLMEngine(self.config)

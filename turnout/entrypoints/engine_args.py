@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_kv_tier_and_parallel_args(p) -> None:
-    """--preemption-mode, --swap-space, --kv-offload-gb, -tp / --tensor-parallel-size."""
+    """--preemption-mode, --swap-space, --kv-offload-gb, -tp / --tensor-parallel-size, --enable-expert-parallel."""
     p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
                    help="when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)")
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
@@ -12,3 +12,5 @@ def add_kv_tier_and_parallel_args(p) -> None:
                    help="GiB of host memory for prefix blocks evicted from the device (0: no host tier)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks (devices) of this machine (a process per rank)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: the tensor-parallel ranks split the experts by expert id, not by intermediate dim")

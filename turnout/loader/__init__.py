@@ -166,7 +166,7 @@ class _Progress:
 
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str | torch.dtype = "auto",
                device: torch.device | str = "cpu", ops, seed: int = 0, tokenizer=None, plan=None,
-               tp=None) -> LoadedModel:
+               tp=None, enable_expert_parallel: bool = False) -> LoadedModel:
     """Build the model for ``model`` on ``device`` with weights from its checkpoint.
 
     ``load_format``: "auto" (by what ``model`` is), "safetensors", "gguf", or "dummy" (random weights
@@ -175,7 +175,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     model's own, or None if it ships none), a path/Hub id, or a tokenizer object. ``plan``: the fusion plan
     the model is built with (turnout/layers/fusion.py; None: no fused decode kernels). ``tp``: this rank's
     ``turnout.distributed.TPGroup`` (None: one device): the model is built as this rank's shard and each
-    checkpoint tensor loads its slice.
+    checkpoint tensor loads its slice. ``enable_expert_parallel``: an MoE model's ranks split its experts by id
+    (ignored by a model without experts, and on one rank).
     """
     from transformers import PretrainedConfig
 
@@ -216,7 +217,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
             if tp is not None and tp.size > 1:
                 from turnout.layers.fusion import NO_FUSIONS
 
-                net = cls(hf_config, ops, NO_FUSIONS if plan is None else plan, tp)
+                ep = {"expert_parallel": True} if enable_expert_parallel and getattr(
+                    cls, "supports_expert_parallel", False) else {}
+                net = cls(hf_config, ops, NO_FUSIONS if plan is None else plan, tp, **ep)
             else:
                 net = cls(hf_config, ops) if plan is None else cls(hf_config, ops, plan)  # plan: turnout/layers/fusion.py
         net.eval()

@@ -122,7 +122,7 @@ def build_config(args):
         load_format=args.load_format, seed=args.seed, ops_policy=args.ops_policy,
         served_model_name=(args.served_model_name or [None])[0],
         max_tokens_per_request=args.max_tokens_per_request, fair_share_seqs=args.fair_share_seqs or None,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
 
 
