@@ -29,6 +29,9 @@ import time
 
 import httpx
 
+from turnout.entrypoints.bench_serve_client import DONE, sse_events
+from turnout.entrypoints.bench_serve_metrics import percentile
+
 PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea.",
@@ -63,10 +66,7 @@ async def wait_idle(client: httpx.AsyncClient, kv_baseline: float, timeout: floa
 
 
 def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+    return percentile(xs, q)  # turnout bench serve's definition (linear interpolation), so the two agree
 
 
 async def _one(client, i, args, rng, outcomes, failures, t_start):
@@ -97,14 +97,10 @@ async def _one(client, i, args, rng, outcomes, failures, t_start):
                 await r.aread()
                 return settle("error", f"HTTP {r.status_code}: {r.text[:200]}")
             last = None
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
+            async for chunk in sse_events(r):
+                if chunk == DONE:
                     rec["done"] += 1
                     continue
-                chunk = json.loads(data)
                 if "error" in chunk:
                     return settle("error", f"error event: {chunk['error']}")
                 if chunk.get("usage"):
@@ -210,10 +206,9 @@ async def _short_ttft(client, i, max_tokens, seed, model) -> tuple[float | None,
             if r.status_code != 200:
                 await r.aread()
                 return None, f"short {i}: HTTP {r.status_code}: {r.text[:200]}"
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for chunk in sse_events(r):
+                if chunk == DONE:
                     continue
-                chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return ttft, f"short {i}: error event {chunk['error']}"
                 if ttft is None and any((c.get("logprobs") or {}).get("tokens") for c in chunk["choices"]):

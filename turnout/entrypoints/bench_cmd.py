@@ -1,4 +1,5 @@
 """`turnout bench latency | throughput`: vLLM-style benchmarks on random token prompts (ignore_eos).
+(`turnout bench serve`, which loads a running server instead, lives in bench_serve.py.)
 
 latency: ``--batch-size`` prompts of ``--input-len`` tokens, ``--output-len`` tokens each, ``--num-iters``
 times (fresh prompts each time, so the prefix cache never helps). Every ``engine.step()`` is timed: the
@@ -27,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from turnout.entrypoints import bench_serve
+from turnout.entrypoints.bench_serve_metrics import json_safe as _clean
 from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args
 from turnout.entrypoints.bench_models import (NullTokenizer, bench_tokenizer, config_roots,  # noqa: F401
                                           has_tokenizer_files, random_prompts, resolve_model)
@@ -91,6 +94,9 @@ def add_arguments(p) -> None:
     thr = sub.add_parser("throughput", help="offline throughput of many prompts")
     _common(thr)
     thr.add_argument("--num-prompts", type=int, default=256)
+    srv = sub.add_parser("serve", help="load a running OpenAI-compatible server (vllm bench serve)",
+                         description=bench_serve.__doc__.split("\n\n")[0])
+    bench_serve.add_arguments(srv)
 
 
 def _resolve_model_arg(args) -> None:
@@ -291,16 +297,6 @@ def bench_throughput(args, llm, geo) -> dict:
 
 
 # ---- output --------------------------------------------------------------------------------------
-def _clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1000 else f"{v:.1f}"
@@ -334,6 +330,8 @@ def print_report(result: dict, out=None) -> None:
 
 
 def run(args) -> int:
+    if args.bench == "serve":  # no engine here: it drives a server over HTTP
+        return bench_serve.run(args)
     import torch
 
     from turnout.utils.roofline import machine, model_geometry
@@ -374,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m turnout.entrypoints.bench_cmd latency ...`: the same, without the other subcommands'
     imports (for machines that lack the server's dependencies)."""
 
-    p = argparse.ArgumentParser(prog="turnout bench", description="latency / throughput benchmarks")
+    p = argparse.ArgumentParser(prog="turnout bench", description="latency / throughput / serve benchmarks")
     p.add_argument("--log-level", default="INFO")
     add_arguments(p)
     args = p.parse_args(argv)
