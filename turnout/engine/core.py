@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from turnout.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from turnout.engine.sequence import Sequence, SequenceFaults, SequenceStatus
@@ -36,7 +36,8 @@ class ModelExecutor(Protocol):
 
     def execute(self, scheduled: list[ScheduledSeq], lanes: list[Sequence], lane_rows: list[int],
                 eos_ids: set[int], want_logprobs: int = -1, copy_on_write=(),
-                input_tokens: torch.Tensor | None = None) -> SamplerOutput | None: ...
+                input_tokens: torch.Tensor | None = None, defer_sample: bool = False
+                ) -> SamplerOutput | Callable[[], SamplerOutput] | None: ...
 
     def start_readback(self, result: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]: ...
 
@@ -92,10 +93,11 @@ class _Step:
 
     out: SchedulerOutput
     lanes: list[Sequence]
-    result: SamplerOutput
-    host: SamplerOutput
+    result: SamplerOutput | None
+    host: SamplerOutput | None
     ready: torch.cuda.Event | None = None
     complete: bool = True  # every sampling entry of ``out`` has its row (no lane was dropped by a fault)
+    sample_later: Callable[[], SamplerOutput] | None = None  # a forward whose sampling waits (grammar lanes)
 
 
 def _message(stage: str, e: BaseException) -> str:
@@ -113,6 +115,7 @@ class EngineCore:
         self._inflight: _Step | None = None  # a launched lookahead step, read back by the next step()
         self._pending = CoreOutput()  # forks and failures since the last step() returned
         self.num_lookahead_steps = 0
+        self.num_grammar_lookahead_steps = 0  # of those, steps with grammar lanes (sampled after the read)
         self.prompt_tokens_total = 0
         self.num_failed_requests = 0
 
@@ -155,6 +158,11 @@ class EngineCore:
             if self.async_scheduling:
                 self._inflight = self._launch_lookahead(step)
             sampled = self._read(step)
+            nxt = self._inflight
+            if nxt is not None and nxt.sample_later is not None:
+                # the grammars have accepted this step's tokens: fill the masks and sample the lookahead,
+                # whose forward the device has been running meanwhile
+                self._inflight = self._started(nxt.out, nxt.lanes, nxt.sample_later())
         result, self._pending = self._pending, CoreOutput()
         result.sampled = sampled
         return result
@@ -229,13 +237,15 @@ class EngineCore:
         inputs; None where that step is not certain to be the next one (see Scheduler.schedule_lookahead)
         or a request needs its tokens on the host first (penalties, logits processors, a grammar) or is
         about to end by length. A request that ends on a stop token or string at ``prev`` wastes one
-        token of work, discarded."""
+        token of work, discarded. With a grammar lane only the forward is launched: its sampling waits
+        until ``prev``'s tokens are read and accepted (``_Step.sample_later``), since each lane's mask
+        depends on its last token."""
         if not prev.complete:
             return None
         for seq in prev.lanes:
             p = seq.params
             n_out = seq.num_output_tokens + 1  # with prev's token
-            if p.has_penalties or p.logits_processors or seq.grammar is not None \
+            if p.has_penalties or p.logits_processors \
                     or (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens + 1 >= self.max_model_len:
                 return None
         out = self.scheduler.schedule_lookahead(prev.out)
@@ -245,14 +255,19 @@ class EngineCore:
             self.runner.swap_out(out.swap_out)
         lanes = [s.seq for s in out.scheduled]  # prev's lanes, in prev's order: row i = prev's token i
         want = max((s.params.logprobs for s in lanes if s.params.logprobs is not None), default=-1)
+        defer = any(seq.grammar is not None for seq in lanes)
         try:
             result = self.runner.execute(out.scheduled, lanes, list(range(len(lanes))), self.eos_ids, want,
-                                         out.copy_on_write, input_tokens=prev.result.tokens)
+                                         out.copy_on_write, input_tokens=prev.result.tokens,
+                                         **({"defer_sample": True} if defer else {}))
         except SequenceFaults as f:
             # the block copies ran before the inputs were built; the next schedule() takes it from here
             self._fail_faults(f.faults, lanes, "step inputs")
             return None
         self.num_lookahead_steps += 1
+        if defer:
+            self.num_grammar_lookahead_steps += 1
+            return _Step(out, lanes, None, None, sample_later=result)
         return self._started(out, lanes, result)
 
     def _read(self, step: _Step) -> list[SampledToken]:

@@ -242,7 +242,7 @@ class ModelRunner:
         for i, seq in enumerate(lanes):  # per-request stages on the logits (never in a lookahead step)
             if seq.params.logits_processors:
                 b.processors.append((i, list(seq.params.logits_processors), list(seq.output_token_ids)))
-            if seq.grammar is not None:
+            if seq.grammar is not None and not seq.status.is_finished:  # (a deferred lookahead's lane may have ended)
                 b.grammars.append((i, seq.grammar))
         if any(p.has_penalties for p in ps):
             if pending:
@@ -266,10 +266,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled, lanes, lane_rows, eos_ids, want_logprobs: int = -1, copy_on_write=(),
-                input_tokens: torch.Tensor | None = None, swap_in=()):
+                input_tokens: torch.Tensor | None = None, swap_in=(), defer_sample: bool = False):
         """Run one step. lane_rows[i] indexes the scheduled entries that sample (their order).
         ``input_tokens``: a lookahead decode step (one token per scheduled entry): the previous step's
-        sampled tokens [n], still on the device, are the inputs; nothing waits for them."""
+        sampled tokens [n], still on the device, are the inputs; nothing waits for them.
+        ``defer_sample`` (a lookahead step with grammar lanes): launch the forward only and return a
+        function that samples it. The core calls it once the previous step's tokens are on the host and
+        accepted by the grammars, so the masks are filled while the device runs this forward; the logits
+        (a CUDA graph's output buffer) are read before anything else is launched."""
         if copy_on_write:
             if self.step_publisher is not None:
                 self.step_publisher.copy_blocks(copy_on_write)
@@ -307,12 +311,20 @@ class ModelRunner:
             if not lanes:
                 return None
             logits = logits.index_select(0, self._h2d(sample_at, torch.long))
+        if defer_sample:
+            return lambda: self._sample(logits, lanes, lane_rows, eos_ids, want_logprobs, 0)
+        return self._sample(logits, lanes, lane_rows, eos_ids, want_logprobs, int(pending))
+
+    @torch.inference_mode()
+    def _sample(self, logits, lanes, lane_rows, eos_ids, want_logprobs: int, pending: int):
+        """Sample a step's logits. ``pending``: tokens drawn but not yet appended to the lanes (1 in a
+        lookahead step; 0 when its sampling was deferred until they were)."""
         if self._upload is None:
-            batch, faults = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
+            batch, faults = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=pending)
         else:  # queued behind the forward's own input copies, the sampling inputs' copies overlap the forward
             main = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._upload):
-                batch, faults = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=int(pending))
+                batch, faults = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=pending)
             main.wait_stream(self._upload)
             for f in dataclasses.fields(batch) if batch is not None else ():  # made on the side stream, read on this one
                 t = getattr(batch, f.name)
