@@ -143,11 +143,11 @@ def stage_rows(llm, batches: list[int], reps: int) -> list[dict]:
     return rows
 
 
-def compile_rows(model: str | None) -> list[dict]:
+def compile_rows(model: str | None, **kw) -> list[dict]:
     from turnout import LLM
     from turnout.structured import StructuredOutputsParams
 
-    llm = LLM(model, kv_cache_memory=64 << 20)
+    llm = LLM(model, **kw)
     ip = llm.engine.input_processor
     t0 = time.perf_counter()
     compiler = ip.grammar_compiler()
@@ -175,20 +175,32 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--stage-batches", default="1,8,32")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--load-format", default=None, help="dummy: random weights (a config directory as --model)")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer directory (a dummy model's config has none)")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--kv-cache-memory-mb", type=int, default=256)
+    ap.add_argument("--skip-compile", action="store_true", help="no cold-compile engine (saves a model load)")
     args = ap.parse_args()
 
     from turnout import LLM
 
-    comp = compile_rows(args.model)  # a fresh engine: the first structured request pays TokenizerInfo
-    report("grammar compile", comp, ["what", "ms"], {})
-    llm = LLM(args.model, kv_cache_memory=256 << 20, async_scheduling=args.async_scheduling)
-    extra = {"device": str(llm.engine.runner.device), "async_scheduling": llm.engine.async_scheduling}
+    kw = {k: v for k, v in (("load_format", args.load_format), ("tokenizer", args.tokenizer),
+                            ("dtype", args.dtype)) if v is not None}
+    if not args.skip_compile:
+        comp = compile_rows(args.model, kv_cache_memory=64 << 20, **kw)  # a fresh engine: the first request pays TokenizerInfo
+        report("grammar compile", comp, ["what", "ms"], {})
+    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory_mb << 20, async_scheduling=args.async_scheduling,
+              max_num_seqs=max(args.batch, 8), **kw)
+    extra = {"device": str(llm.engine.runner.device), "async_scheduling": llm.engine.async_scheduling,
+             "model": args.model or "SmolLM2-135M-Instruct", "tokenizer": args.tokenizer}
     report("structured output: stage alone", stage_rows(llm, [int(x) for x in args.stage_batches.split(",")],
                                                          20), ["lanes", "vocab", "us_per_step", "us_per_lane",
                                                                "GB_per_s", "threaded"], extra)
     report("structured output: decode steps", engine_rows(llm, args.batch, args.steps, args.reps),
            ["mode", "batch", "steps", "ms_per_step", "tok_per_s", "extra_ms_per_step", "slower_pct",
             "grammar_ms_per_step", "grammar_pct"], extra)
+    extra["grammar_lookahead_steps"] = llm.engine.core.num_grammar_lookahead_steps
+    print(extra)
 
 
 if __name__ == "__main__":
