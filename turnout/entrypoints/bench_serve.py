@@ -87,6 +87,11 @@ def _validate(args) -> None:
         raise ValueError(f"--burstiness: must be > 0, got {args.burstiness}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio: must be in [0, 1), got {args.random_range_ratio}")
+    for name in ("random_input_len", "random_output_len", "jsonl_output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups: must be >= 0, got {args.num_warmups}")
     if not args.timeout > 0:
@@ -121,7 +126,7 @@ async def _served_model(client, base_url: str) -> str:
         return r.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise RuntimeError(f"--base-url: cannot list the models of {base_url} ({type(e).__name__}: {e}); "
-                           f"is the server up? (or give --model)") from None
+                           f"is the server up and done loading? (or give --model)") from None
 
 
 def build_requests(args, tokenizer) -> list[data.BenchRequest]:

@@ -101,11 +101,7 @@ def _exact_ids(tok, rng: random.Random, length: int, pool: list[int]) -> tuple[l
 
 def random_requests(n: int, input_len: int, output_len: int, ratio: float, seed: int, tokenizer,
                     endpoint: str) -> list[BenchRequest]:
-    if not 0 <= ratio < 1:
-        raise ValueError(f"--random-range-ratio: must be in [0, 1), got {ratio}")
-    for name, v in (("--random-input-len", input_len), ("--random-output-len", output_len)):
-        if v < 1:
-            raise ValueError(f"{name}: must be >= 1, got {v}")
+    """``n`` prompts (lengths as :func:`sample_lens`; bench_serve._validate has checked the flags)."""
     rng = random.Random(seed)
     in_lens, out_lens = sample_lens(rng, input_len, ratio, n), sample_lens(rng, output_len, ratio, n)
     pool = None
