@@ -164,14 +164,3 @@ def test_tp1_is_the_single_device_model(tmp_path):
     logits, tokens = tp_ranks.greedy_run(model, loaded.hf_config, _prompts(251, [5, 9], 0), 2)
     assert logits.shape == (14 + 2 * 2, 251) and tokens.shape == (2, 3)
 
-
-def test_moe_families_refuse_tp():
-    from turnout.distributed import TPGroup
-    from turnout.models.qwen3_moe import Qwen3MoeForCausalLM
-
-    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                         num_experts=4, num_experts_per_tok=2)
-    fake_group = TPGroup(rank=0, size=2, group=object())
-    with pytest.raises(ValueError, match="tensor_parallel_size 2"), torch.device("meta"):
-        Qwen3MoeForCausalLM(config, resolve(detect_platform("cpu")), tp=fake_group)
