@@ -245,7 +245,7 @@ class EngineCore:
         for seq in prev.lanes:
             p = seq.params
             n_out = seq.num_output_tokens + 1  # with prev's token
-            if p.has_penalties or p.logits_processors \
+            if p.has_penalties or p.logits_processors or p.return_routed_experts \
                     or (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens + 1 >= self.max_model_len:
                 return None
         out = self.scheduler.schedule_lookahead(prev.out)

@@ -13,6 +13,7 @@ from turnout.engine.cuda_graphs import maybe_capture
 from turnout.engine.kv_transfer import KVTransfer, LayerGatedCaches
 from turnout.engine.prompt_logprobs import compute_chunks, merge_rows, prompt_rows
 from turnout.engine.rank_memory import RankMemory
+from turnout.engine.routed_experts import RoutingRecorder
 from turnout.layers.attention import AttentionMetadata
 from turnout.engine.sequence import SequenceFaults
 from turnout.layers.sampler import SamplerOutput, SamplingBatch, sample
@@ -77,6 +78,7 @@ class ModelRunner:
         self.memory = RankMemory(self)
         self.grammar_stage = None  # made by _grammar_stage() when a grammar lane first samples
         self._side_outputs: list = []  # per-request results of launched steps besides tokens (take_side_outputs)
+        self.routing = RoutingRecorder(self.model)  # return_routed_experts (turnout/engine/routed_experts.py)
 
     @property
     def pdl(self) -> bool:
@@ -288,9 +290,11 @@ class ModelRunner:
         prompt = prompt_rows(scheduled) if not pending else None
         logit_idx, sample_at, prompt_at = merge_rows(sample_idx, prompt) if prompt else (sample_idx, None, None)
         want_logits = bool(lanes) or bool(prompt)
-        if self.step_publisher is not None:  # the other ranks run the same forward
-            self.step_publisher.step(input_ids, positions, meta, logit_idx, want_logits, input_tokens)
-        if want_logits and self.graphs is not None and self.graphs.can_run(len(logit_idx), meta):
+        routed = self.routing.wanted(scheduled) if self.routing.blocks else []  # recorded: an eager forward
+        if self.step_publisher is not None:  # the other ranks run the same forward (3: eagerly, as this one)
+            self.step_publisher.step(input_ids, positions, meta, logit_idx, int(want_logits) | (2 * bool(routed and
+                                     want_logits)), input_tokens)
+        if want_logits and not routed and self.graphs is not None and self.graphs.can_run(len(logit_idx), meta):
             # pure decode: replay a CUDA graph
             if gate is not None:  # the graph reads every layer: all the swap-ins first
                 gate.finish()
@@ -300,7 +304,12 @@ class ModelRunner:
             if pending:
                 input_ids = input_tokens.to(torch.long)
             caches = self.kv_caches if gate is None else LayerGatedCaches(self.kv_caches, gate)
-            hidden = self.model(input_ids, positions, caches, meta)
+            if routed:
+                with self.routing.record() as got:
+                    hidden = self.model(input_ids, positions, caches, meta)
+                self._side_outputs.extend(self.routing.chunks(got, routed))
+            else:
+                hidden = self.model(input_ids, positions, caches, meta)
             if not want_logits:
                 return None
             if len(logit_idx) != hidden.shape[0]:  # logit_idx is increasing: equal lengths = every row
@@ -338,7 +347,8 @@ class ModelRunner:
 
     def take_side_outputs(self) -> list:
         """What the steps launched since the last call computed for particular requests besides their
-        tokens (prompt logprob chunks, turnout/engine/prompt_logprobs.py), each with ``request_id``;
+        tokens (prompt logprob chunks, turnout/engine/prompt_logprobs.py; routed experts,
+        turnout/engine/routed_experts.py), each with ``request_id`` and ``kind``;
         the core hands them to the output processor."""
         out, self._side_outputs = self._side_outputs, []
         return out

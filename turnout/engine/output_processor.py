@@ -31,6 +31,9 @@ class RequestState:
     error: str | None = None
     # prompt_logprobs: one entry per prompt position (None at 0), filled chunk by chunk (side outputs)
     prompt_logprobs: list | None = None
+    # return_routed_experts: rows [L, k] per prompt position (shared by the samples), per sample the rest
+    routed_prompt: list | None = None
+    routed_samples: dict[int, dict[int, object]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -50,6 +53,8 @@ class OutputProcessor:
         state = RequestState(req, RequestMetrics(arrival_time=req.arrival_time))
         if req.params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(req.prompt_token_ids)
+        if req.params.return_routed_experts:
+            state.routed_prompt = [None] * len(req.prompt_token_ids)
         self.requests[req.request_id] = state
         self.add_sample(req.request_id, 0)
 
@@ -138,8 +143,20 @@ class OutputProcessor:
         return outputs, ended, failed
 
     def _take_side_output(self, state: RequestState, side) -> None:
-        """A prompt logprob chunk (turnout/engine/prompt_logprobs.py): its positions written in place, so a
-        prompt recomputed after a preemption writes the same values again."""
+        """A prompt logprob chunk (turnout/engine/prompt_logprobs.py) or a routed-experts chunk
+        (turnout/engine/routed_experts.py): its positions written in place, so a prompt recomputed after a
+        preemption writes the same values again."""
+        if side.kind == "routed_experts":
+            if state.routed_prompt is None:
+                return
+            num_prompt, own = len(state.routed_prompt), state.routed_samples.setdefault(side.index, {})
+            for i, row in enumerate(side.array()):
+                pos = side.first + i
+                if pos < num_prompt:
+                    state.routed_prompt[pos] = row
+                else:
+                    own[pos] = row
+            return
         if state.prompt_logprobs is None:
             return
         for pos, tok, lp, rank, top in side.rows():
@@ -147,6 +164,15 @@ class OutputProcessor:
             for r, (t, tlp) in enumerate(top):
                 entry.setdefault(t, Logprob(tlp, r + 1, self._decode_one(t)))
             state.prompt_logprobs[pos] = entry
+
+    @staticmethod
+    def _routed(state: RequestState, comp: CompletionOutput):
+        if state.routed_prompt is None or comp.finish_reason is None:
+            return None
+        if comp.routed_experts is None:  # assembled once, when the sample ends
+            comp.routed_experts = _assemble_routing(state.routed_prompt, state.routed_samples.get(comp.index, {}),
+                                           len(state.routed_prompt), len(comp.token_ids))
+        return comp.routed_experts
 
     def _fail(self, state: RequestState, message: str) -> None:
         state.error = message
@@ -197,9 +223,25 @@ class OutputProcessor:
 
     def _request_output(self, state: RequestState) -> RequestOutput:
         comps = [CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                                  list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
+                                  list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason,
+                                  self._routed(state, c))
                  for _, c in sorted(state.completions.items())]
         req = state.request
         plp = None if state.prompt_logprobs is None else list(state.prompt_logprobs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, state.finished, state.metrics,
                              state.num_cached_tokens, prompt_logprobs=plp, error=state.error)
+
+
+def _assemble_routing(prompt_rows: list, sample_rows: dict, num_prompt: int, num_generated: int):
+    """One sample's routed experts, int32 [num_prompt + num_generated - 1, L, k], from its positions' rows
+    (numpy [L, k] each; None where not computed): the complete run from position 0 (an abort mid-prompt
+    returns what was computed)."""
+    import numpy as np
+
+    rows = []
+    for pos in range(num_prompt + num_generated - 1):
+        row = prompt_rows[pos] if pos < num_prompt else sample_rows.get(pos)
+        if row is None:
+            break
+        rows.append(row)
+    return np.stack(rows).astype(np.int32) if rows else None

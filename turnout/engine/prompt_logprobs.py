@@ -17,6 +17,7 @@ processor reads the chunk after the step's own sync, so a prefill step is not ma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -25,6 +26,7 @@ import torch
 class PromptLogprobChunk:
     """One request's prompt logprobs from one step: positions ``first`` .. ``first + len(targets) - 1``."""
 
+    kind: ClassVar[str] = "prompt_logprobs"
     request_id: str
     first: int  # the prompt position of the first target token (>= 1)
     targets: list[int]  # the prompt tokens at those positions

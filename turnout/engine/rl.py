@@ -41,17 +41,22 @@ class TokenOutput:
     logprobs: list[float]  # of each sampled token, as sampled (after temperature, before top-k/top-p)
     stop_reason: str  # "completed" | "aborted" | "error"
     finish_reason: str | None  # the engine's: "stop" | "length" | "abort" | "error"
-    routed_experts: list | None = None  # not recorded yet (issue 20: routing replay)
+    # SamplingParams(return_routed_experts=True): int32 [len(prompt) + len(token_ids) - 1, moe layers, top_k]
+    routed_experts: object | None = None
     error: str | None = None
     extra: dict = field(default_factory=dict)
+    # SamplingParams(prompt_logprobs=k): each prompt token's logprob (None at position 0)
+    prompt_logprobs: list | None = None
 
     @classmethod
     def from_request_output(cls, out: RequestOutput) -> "TokenOutput":
         comp = out.outputs[0]
         lps = [entry[tok].logprob for tok, entry in zip(comp.token_ids, comp.logprobs or [])]
         reason = {"abort": "aborted", "error": "error"}.get(comp.finish_reason, "completed")
+        plp = None if out.prompt_logprobs is None else [
+            None if entry is None else entry[tok].logprob for tok, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
         return cls(out.request_id, list(out.prompt_token_ids), list(comp.token_ids), lps, reason,
-                   comp.finish_reason, error=out.error)
+                   comp.finish_reason, comp.routed_experts, error=out.error, prompt_logprobs=plp)
 
 
 class RolloutControl:

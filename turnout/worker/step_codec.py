@@ -46,7 +46,8 @@ def decode_step(msg: bytes):
     ids, pos, slots, tables, lens, qsl, sample = flat[_HEADER:].split(sizes)
     meta = AttentionMetadata(slot_mapping=slots.clone(), block_tables=tables.view(n_seqs, max_blocks).int(),
                              seq_lens=lens.int(), query_start_loc=qsl.int(), max_query_len=max_q, max_seq_len=max_s)
-    return ids.clone(), pos.clone(), meta, sample.tolist(), bool(has_lanes), bool(pending)
+    # has_lanes: 0 no logits, 1 logits, 3 logits from an eager forward (the driver records routing)
+    return ids.clone(), pos.clone(), meta, sample.tolist(), int(has_lanes), bool(pending)
 
 
 def encode_copy(copy_on_write) -> bytes:
