@@ -20,6 +20,9 @@ class EngineConfig:
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     seed: int = 0
     ops_policy: str | None = None
+    # A request's tokens and logprobs bitwise the same whatever else is batched with it (batch size, chunked
+    # prefill split, prefix-cache hit): batch-invariant op implementations only (turnout/ops/batch_invariant.py)
+    batch_invariant: bool = False
     enforce_eager: bool = False  # no CUDA graphs
     # Launch the next decode step before this one's tokens reach the host, so the host work of a step
     # (scheduling, metadata, detokenising) overlaps the device's work. None: on where the device runs
@@ -87,5 +90,10 @@ class EngineConfig:
                 bad(name, f"must be a finite number of GiB >= 0, got {v!r}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             bad("swap_space", "preemption_mode='swap' needs swap_space > 0 GiB")
+        if self.batch_invariant and self.tensor_parallel_size != 1:
+            bad("batch_invariant", "not with tensor_parallel_size > 1 (an all-reduce's summation order depends on "
+                "the message size, so on the batch)")
+        if self.batch_invariant and getattr(self, "quantization", None) is not None:
+            bad("batch_invariant", "not with quantization (the quantised GEMMs have no batch-invariant kernel)")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             bad("load_format", f"unknown load format {self.load_format!r} (auto, safetensors, gguf, dummy)")

@@ -63,7 +63,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = config
         self.platform = detect_platform(config.device)
-        self.ops = resolve(self.platform, Policy.from_sources(config.ops_policy, platform=self.platform))
+        self.ops = resolve(self.platform, Policy.for_config(config, platform=self.platform))
         log_table(self.ops, logger)
         torch.manual_seed(config.seed)
         # The executor loads the model (its shard on every rank) and builds each rank's model runner.
@@ -135,8 +135,6 @@ class LLMEngine:
         now = time.time() if arrival_time is None else arrival_time
         req = self.input_processor.process(request_id, prompt, params, now)
         p = req.params
-        if p.return_routed_experts and not self.runner.routing.num_layers:
-            raise ValueError("return_routed_experts: this model has no MoE layers")
         seq = Sequence(self.core.scheduler.new_seq_id(), request_id, req.prompt_token_ids, p,
                        seed=req.seed, n=p.n, arrival_time=now)
         seq.grammar = self.input_processor.new_grammar_state(req)  # structured output (its forks copy it)

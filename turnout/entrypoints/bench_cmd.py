@@ -138,7 +138,7 @@ def build_llm(args, batch: int):
               load_format=load_format, seed=args.seed, ops_policy=args.ops_policy, block_size=args.block_size,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               tokenizer=bench_tokenizer(path), tensor_parallel_size=args.tensor_parallel_size,
-              enable_expert_parallel=args.enable_expert_parallel,
+              enable_expert_parallel=args.enable_expert_parallel, batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
     return llm, path, load_format, time.perf_counter() - t0
 

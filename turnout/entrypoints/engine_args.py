@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def add_kv_tier_and_parallel_args(p) -> None:
-    """--preemption-mode, --swap-space, --kv-offload-gb, -tp / --tensor-parallel-size, --enable-expert-parallel."""
+    """--preemption-mode, --swap-space, --kv-offload-gb, -tp / --tensor-parallel-size, --enable-expert-parallel,
+    --batch-invariant."""
     p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
                    help="when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)")
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
@@ -14,3 +15,6 @@ def add_kv_tier_and_parallel_args(p) -> None:
                    help="split the model over this many ranks (devices) of this machine (a process per rank)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: the tensor-parallel ranks split the experts by expert id, not by intermediate dim")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logprobs bitwise the same whatever else is batched with it (batch "
+                        "size, chunked prefill, prefix-cache hits): batch-invariant kernels only; slower")

@@ -45,7 +45,7 @@ def run(args) -> int:
               load_format=args.load_format, ops_policy=args.ops_policy,
               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
               async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-              enable_expert_parallel=args.enable_expert_parallel,
+              enable_expert_parallel=args.enable_expert_parallel, batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
     engine = llm.engine
     if args.chat:

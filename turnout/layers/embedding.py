@@ -15,7 +15,7 @@ from torch import nn
 
 from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
-from turnout.layers.linear import one_row_path, project
+from turnout.layers.linear import all_rows_path, one_row_path, project
 from turnout.layers.weights import check_shape, default_weight_loader
 
 
@@ -103,6 +103,7 @@ class LMHead(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.one_row_ops, _ = one_row_path(ops, plan, rows, embedding_dim)  # never given a pending norm
+        self.linear_ops = all_rows_path(ops, plan)
         if tp.size > 1 and ops is None:
             raise ValueError("a vocab-parallel LM head over several ranks needs the op table (ops=...)")
         self.gather_ops = ops if tp.size > 1 else None
@@ -110,7 +111,7 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32; with ``out`` (float32 [N, V]) written there, the cast and the
         store in one kernel (a captured decode step writes its static logits buffer so)."""
-        logits = project(hidden, self.weight, self.bias, self.one_row_ops)  # [N, V] (this rank's [N, Vp] under TP)
+        logits = project(hidden, self.weight, self.bias, self.one_row_ops, linear_ops=self.linear_ops)  # [N, V] (this rank's [N, Vp] under TP)
         if self.gather_ops is not None:
             logits = self.gather_ops.all_gather(logits, -1, self.tp.group)[:, :self.num_embeddings]  # [N, V]
         if out is None:

@@ -38,8 +38,14 @@ class FusionPlan:
     prenorm_linear: bool = False
     prenorm_pays: Callable[[int, int], bool] | None = None  # (N, K) of a projection -> fuse there; None: all
     rope_attention: bool = False
+    # Batch-invariant mode (turnout/ops/batch_invariant.py): every projection, whatever its rows, goes through
+    # the ``linear`` op (a fixed reduction order), and nothing above is fused (the fused paths are chosen by
+    # batch size, so a row's arithmetic would change with the batch).
+    all_linear: bool = False
 
     def __post_init__(self):
+        if self.all_linear and (self.one_row_linear or self.rope_attention):
+            raise ValueError("FusionPlan: all_linear (batch-invariant mode) takes no batch-size-chosen fusion")
         if self.prenorm_linear and not self.one_row_linear:
             raise ValueError("FusionPlan: prenorm_linear needs one_row_linear (the fused kernel is the one-row "
                              "projection's)")
@@ -49,7 +55,8 @@ class FusionPlan:
         return self.prenorm_linear and (self.prenorm_pays is None or bool(self.prenorm_pays(n, k)))
 
     def describe(self) -> str:
-        on = [name for name in ("one_row_linear", "prenorm_linear", "rope_attention") if getattr(self, name)]
+        on = [name for name in ("one_row_linear", "prenorm_linear", "rope_attention", "all_linear")
+              if getattr(self, name)]
         return ", ".join(on) or "none"
 
 
@@ -70,7 +77,10 @@ def _claim(ops, op: str) -> Callable[..., bool] | None:
 
 def plan_fusions(ops, rope_attention: bool | None = None) -> FusionPlan:
     """The plan for a model run with op table ``ops``. ``rope_attention``: None reads TURNOUT_ROPE_ATTENTION
-    (turnout.envs); False keeps q/k norm, RoPE and the cache write outside the attention kernel."""
+    (turnout.envs); False keeps q/k norm, RoPE and the cache write outside the attention kernel. Under a
+    batch-invariant policy: ``all_linear`` and nothing else, on every platform."""
+    if getattr(ops.policy, "batch_invariant", False):
+        return FusionPlan(all_linear=True)
     if not ops.platform.is_gpu:  # on the host the fused kernels are the Triton interpreter's: tests only
         return NO_FUSIONS
     if rope_attention is None:

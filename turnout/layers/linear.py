@@ -30,13 +30,14 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 def project(x, weight: torch.Tensor, bias: torch.Tensor | None, one_row_ops=None,
-            takes_norm: bool = False) -> torch.Tensor:
+            takes_norm: bool = False, linear_ops=None) -> torch.Tensor:
     """x W^T (+ b): ``F.linear``, or for a one-row ``x`` the ``small_m_linear`` op of ``one_row_ops`` (the op
     table, where the fusion plan routes one-row projections through it; None: never).
 
     ``x`` may also be a pre-norm not computed yet (``turnout.layers.norm.PendingNorm``). A projection that
     ``takes_norm`` (the plan fuses the norm into projections of its shape) lets it compute the norm inside
-    this projection's kernel; any other takes the normed tensor."""
+    this projection's kernel; any other takes the normed tensor. ``linear_ops``: the op table whose ``linear``
+    op takes every projection (``plan.all_linear``, batch-invariant mode; None: ``F.linear``)."""
     if not isinstance(x, torch.Tensor):
         y = x.fused_projection(weight, bias) if takes_norm else None
         if y is not None:
@@ -44,6 +45,8 @@ def project(x, weight: torch.Tensor, bias: torch.Tensor | None, one_row_ops=None
         x = x.tensor()
     if one_row_ops is not None and x.dim() == 2 and x.shape[0] == 1:
         return one_row_ops.small_m_linear(x, weight, bias)
+    if linear_ops is not None:
+        return linear_ops.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -68,6 +71,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.one_row_ops, self.takes_norm = one_row_path(ops, plan, *self.weight.shape)
+        self.linear_ops = all_rows_path(ops, plan)
 
     def local_shape(self, out: int, inp: int) -> tuple[int, int]:
         return out, inp
@@ -76,7 +80,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.one_row_ops, self.takes_norm)
+        return project(x, self.weight, self.bias, self.one_row_ops, self.takes_norm, self.linear_ops)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -90,6 +94,15 @@ def one_row_path(ops, plan: FusionPlan, n: int, k: int):
     if ops is None:
         raise ValueError("a fusion plan with one_row_linear needs the op table (ops=...)")
     return ops, plan.fuses_prenorm(n, k)
+
+
+def all_rows_path(ops, plan: FusionPlan):
+    """The op table whose ``linear`` op takes every projection (``plan.all_linear``), or None."""
+    if not plan.all_linear:
+        return None
+    if ops is None:
+        raise ValueError("a fusion plan with all_linear needs the op table (ops=...)")
+    return ops
 
 
 class ReplicatedLinear(LinearBase):
@@ -146,7 +159,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x):
         # With tp_size > 1 only rank 0 adds the bias, so the reduced sum carries it once.
         bias = self.bias if self.tp_rank == 0 else None
-        y = project(x, self.weight, bias, self.one_row_ops, self.takes_norm)
+        y = project(x, self.weight, bias, self.one_row_ops, self.takes_norm, self.linear_ops)
         if self.reduce_ops is not None:
             y = self.reduce_ops.all_reduce(y, self.tp.group)  # [T, out], summed over the ranks, in place
         return y

@@ -106,7 +106,9 @@ def _order(op: str, impls: list[Impl], platform, policy: Policy) -> tuple[list[I
         ordered = [i for i in ordered if i.serves(platform)]
     kept = []
     for i in ordered:
-        if policy.is_denied(i.id):
+        if op in policy.invariant and not i.batch_invariant:
+            excluded.append((i, f"not batch-invariant (policy {policy.source} wants invariant {op})"))
+        elif policy.is_denied(i.id):
             excluded.append((i, f"denied by policy ({policy.source})"))
         else:
             kept.append(i)

@@ -7,6 +7,9 @@ Grammar (clauses separated by ';', whitespace around names ignored, each key at 
                                     stands for its implementations, highest priority first)
     deny=<impl id or family>,...    never use these ("vendor.cuda", or a whole family "vendor")
     strict=0|1                      1: no fallback; an unavailable or failing first choice is an error
+    invariant=<op>,...|all          only implementations tagged ``batch_invariant`` serve these ops (batch-
+                                    invariant mode; "all": every op the mode needs, turnout/ops/batch_invariant.py);
+                                    an op none serves here is a start-up error naming the op and what was tried
     <op>.<choice>=<value>           fix a decision an implementation makes inside itself (``Choice``),
                                     e.g. ``moe_experts.kernel=grouped``, ``paged_attention.num_splits=1``;
                                     ``auto`` is the implementation's own (measured) decision
@@ -15,7 +18,8 @@ Lists take '|' or ','. Example: ``rms_norm=triton.default|reference.torch;deny=v
 
 Layers, each on top of the one before: the platform's default (``Platform.ops_policy``), the engine
 config's ``ops_policy``, then ``TURNOUT_OPS``. A later layer replaces ``prefer``, ``strict`` and the
-order of each op it names, and each choice it sets; ``deny`` lists add up. Read once, at engine start;
+order of each op it names, and each choice it sets; ``deny`` and ``invariant`` lists add up. The engine's
+``batch_invariant`` setting is one more layer, ``invariant=all``, on top (``Policy.for_config``). Read once, at engine start;
 never in a hot path.
 """
 
@@ -28,7 +32,7 @@ from turnout import envs
 from turnout.ops.spec import KNOWN_FAMILIES
 
 ENV_VAR = "TURNOUT_OPS"
-RESERVED_KEYS = ("prefer", "deny", "strict")
+RESERVED_KEYS = ("prefer", "deny", "strict", "invariant")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -46,12 +50,22 @@ class Policy:
     source: str = "default"
     # op -> choice name -> (value as written, the layer that set it)
     choices: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
+    invariant: frozenset[str] = frozenset()  # ops only batch-invariant implementations may serve
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this is the batch-invariant mode (every op it needs is listed): the model then takes
+        every projection through the ``linear`` op and no decode fusion (turnout/layers/fusion.py)."""
+        from turnout.ops.batch_invariant import INVARIANT_OPS
+
+        return set(INVARIANT_OPS) <= self.invariant
 
     @classmethod
     def parse(cls, text: str | None, source: str = "string", base: "Policy | None" = None) -> "Policy":
         """Parse ``text`` on top of ``base``. Raises PolicyError naming the source and the clause."""
         pol = base or cls()
         prefer, per_op, deny, strict = pol.prefer, dict(pol.per_op), set(pol.deny), pol.strict
+        invariant = set(pol.invariant)
         choices = {op: dict(c) for op, c in pol.choices.items()}
         seen: set[str] = set()
         for raw in (text or "").split(";"):
@@ -73,6 +87,14 @@ class Policy:
                 if low not in _TRUE + _FALSE:
                     raise PolicyError(f"{source}: strict must be 0 or 1, got {value!r}")
                 strict = low in _TRUE
+                continue
+            if key == "invariant":
+                from turnout.ops.batch_invariant import INVARIANT_OPS
+
+                names = [v.strip() for v in re.split(r"[|,]", value)]
+                if any(not v or not _NAME_RE.match(v) or "." in v for v in names):
+                    raise PolicyError(f"{source}: {clause!r} must list op names or 'all' (invariant=linear,sample)")
+                invariant |= set(INVARIANT_OPS) if names == ["all"] else set(names)
                 continue
             if "." in key:  # <op>.<choice>=<value>: one value, checked against the declaration in validate()
                 op, _, name = key.partition(".")
@@ -110,7 +132,7 @@ class Policy:
                 per_op[key] = items
         src = source if pol.source == "default" else f"{pol.source}+{source}"
         return replace(pol, prefer=prefer, per_op=per_op, deny=frozenset(deny), strict=strict, source=src,
-                       choices=choices)
+                       choices=choices, invariant=frozenset(invariant))
 
     @classmethod
     def from_sources(cls, config_text: str | None = None, env: dict | None = None,
@@ -127,9 +149,22 @@ class Policy:
             pol = cls.parse(env_text, source=ENV_VAR, base=pol)
         return pol
 
+    @classmethod
+    def for_config(cls, config, platform=None, env: dict | None = None) -> "Policy":
+        """The policy an engine with ``config`` runs: ``from_sources``, then, with ``config.batch_invariant``,
+        ``invariant=all`` on top (so no layer below can take the mode back)."""
+        pol = cls.from_sources(config.ops_policy, env=env, platform=platform)
+        if getattr(config, "batch_invariant", False):
+            pol = cls.parse("invariant=all", source="batch_invariant", base=pol)
+        return pol
+
     def validate(self, registry) -> None:
         """Unknown op or implementation names are errors at start-up, not silently ignored."""
         all_ids = registry.impl_ids()
+        for op in sorted(self.invariant):
+            if op not in registry.ops:
+                raise PolicyError(f"policy ({self.source}) wants unknown op {op!r} batch-invariant; "
+                                  f"known ops: {', '.join(sorted(registry.ops))}")
         for op, items in self.per_op.items():
             if op not in registry.ops:
                 raise PolicyError(f"policy ({self.source}) names unknown op {op!r}; "
@@ -184,4 +219,8 @@ class Policy:
             parts.append("deny=" + ",".join(sorted(self.deny)))
         if self.strict:
             parts.append("strict=1")
+        if self.batch_invariant:
+            parts.append("invariant=all")
+        elif self.invariant:
+            parts.append("invariant=" + ",".join(sorted(self.invariant)))
         return ";".join(parts) or "(platform default)"

@@ -135,10 +135,10 @@ _lock = threading.Lock()
 
 def build_registry(plugins: bool = True) -> Registry:
     """A fresh registry with every built-in op and implementation (and plugins, unless disabled)."""
-    from turnout.ops import reference, vendors
+    from turnout.ops import batch_invariant, reference, vendors
 
     reg = Registry()
-    for spec in reference.all_specs():
+    for spec in reference.all_specs() + batch_invariant.specs():
         reg.add_op(spec)
 
     def triton_register(view):
@@ -147,6 +147,7 @@ def build_registry(plugins: bool = True) -> Registry:
         triton_impls.register(view)
 
     reg.run_registration("builtin:turnout.ops.triton", triton_register)
+    reg.run_registration("builtin:turnout.ops.batch_invariant", batch_invariant.register)
     vendors.register(reg)
     if plugins:
         reg.load_plugins()

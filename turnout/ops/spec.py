@@ -162,6 +162,10 @@ class Impl:
     below: tuple[str, ...] = ()
     choices: tuple[Choice, ...] = ()
     pays: bool | str | Callable[..., bool] | None = None
+    # A row's result is bitwise the same whatever else is in the call (rows, their number, the query chunk):
+    # only such implementations serve an op the policy lists under ``invariant=`` (batch-invariant mode,
+    # turnout/ops/batch_invariant.py); tests/ops/test_batch_invariant_ops.py holds them to it.
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if not isinstance(self.id, str) or not _ID_RE.match(self.id):

@@ -50,7 +50,7 @@ class Worker:
                 torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
         self.tp = init_distributed(self.platform, rank=rank, world_size=world_size, init_method=init_method,
                                    device=self.device if self.platform.is_gpu else None)
-        self.ops = ops or resolve(self.platform, Policy.from_sources(config.ops_policy, platform=self.platform))
+        self.ops = ops or resolve(self.platform, Policy.for_config(config, platform=self.platform))
         torch.manual_seed(config.seed)
         self.loaded = load_model(config.model, load_format=config.load_format, dtype=config.dtype, device=self.device,
                                  ops=self.ops, seed=config.seed, tokenizer=config.tokenizer,
@@ -92,7 +92,7 @@ class Worker:
 
             input_ids = torch.empty(input_ids.shape, dtype=torch.long, device=self.device)
             dist.broadcast(input_ids, src=0, group=self.tp.group)
-        if has_lanes == 1 and r.graphs is not None and r.graphs.can_run(len(sample_idx), meta):
+        if has_lanes and r.graphs is not None and r.graphs.can_run(len(sample_idx), meta):
             r.graphs.run(input_ids, positions, meta)  # the driver replays its graph: so does this rank
             return
         dev_ids, positions, meta = r._to_device(input_ids, positions, meta)

@@ -123,6 +123,7 @@ def build_config(args):
         served_model_name=(args.served_model_name or [None])[0],
         max_tokens_per_request=args.max_tokens_per_request, fair_share_seqs=args.fair_share_seqs or None,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+        batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
 
 

@@ -27,7 +27,8 @@ from torch import nn
 from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
-from turnout.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, one_row_path, project
+from turnout.layers.linear import (MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, all_rows_path,
+                                   one_row_path, project)
 from turnout.layers.moe.experts import FusedExperts
 from turnout.layers.moe.router import RoutingConfig, select_experts
 from turnout.layers.norm import resolve
@@ -60,14 +61,16 @@ class Router(nn.Module):
         self.one_row_ops, takes_norm = one_row_path(ops, plan, e, hidden_size)
         # A float32 gate projects the normed row in float32: it takes the tensor, never the pending norm.
         self.takes_norm = takes_norm and not logits_fp32
+        self.linear_ops = all_rows_path(ops, plan)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k])."""
         if self.logits_fp32:
             x = resolve(x)
-            logits = project(x.float(), self.weight.float(), None, self.one_row_ops)  # [T, E]
+            logits = project(x.float(), self.weight.float(), None, self.one_row_ops,
+                             linear_ops=self.linear_ops)  # [T, E]
         else:
-            logits = project(x, self.weight, None, self.one_row_ops, self.takes_norm)
+            logits = project(x, self.weight, None, self.one_row_ops, self.takes_norm, self.linear_ops)
         return select_experts(logits, self.routing, self.e_score_correction_bias, self.per_expert_scale,
                               ops=self.ops)
 
@@ -106,9 +109,6 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.routing = routing
         self.gate = Router(hidden_size, routing, logits_fp32=router_logits_fp32, ops=ops, plan=plan)
-        # a list the model runner hands every block for one forward whose routing a request returns
-        # (turnout/engine/routed_experts.py); None otherwise, so other steps record nothing
-        self.record_routing: list | None = None
         expert_dim = latent_size or hidden_size
         self.latent = latent_size is not None and latent_size != hidden_size
         if self.latent:
@@ -128,8 +128,6 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(hidden)  # the only routing decision
-        if self.record_routing is not None:
-            self.record_routing.append(topk_ids)
         hidden = resolve(hidden)  # [T, H]
         routed_in = self.fc1_latent_proj(hidden) if self.latent else hidden  # [T, L] or [T, H]
         out = self.experts(routed_in, topk_weights, topk_ids)

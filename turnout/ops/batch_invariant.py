@@ -1,0 +1,53 @@
+"""Batch-invariant mode: which ops it needs, and the implementations tagged ``batch_invariant``.
+
+``LLM(batch_invariant=True)`` / ``--batch-invariant`` adds ``invariant=all`` to the op policy
+(``Policy.for_config``): each op of ``INVARIANT_OPS`` is then served only by an implementation declared
+``Impl(..., batch_invariant=True)``, and an op none serves here is a start-up error that names the op, the
+platform and every candidate with why it was skipped. The fusion plan then sends every projection through
+the ``linear`` op and fuses nothing by batch size (turnout/layers/fusion.py).
+
+The ops listed are every op of a forward and the sampler whose arithmetic could depend on the batch. Not
+listed: the ops that only move or mask bits (cache writes and copies, swaps, the token bitmask: exact
+whatever the batch) and the collectives (the mode refuses tensor parallelism: an all-reduce's summation
+order depends on the message size). The sampler's logprobs (``torch.log_softmax`` per row) were measured
+invariant and stay outside the table.
+
+A vendor or plugin supplies its own by registering ``Impl(op, "vendor.x", ..., batch_invariant=True)``; the
+suite in tests/ops/test_batch_invariant_ops.py runs every tagged implementation it finds on a platform
+(conformance against the reference, and a row alone == the same row inside batches of 1, 3, 17, 64 rows).
+"""
+
+from __future__ import annotations
+
+from turnout.ops.spec import TRITON_PLATFORMS, Impl
+
+INVARIANT_OPS = ("linear", "small_m_linear", "add_rms_norm_linear", "rms_norm", "fused_add_rms_norm",
+                 "rotary_embedding", "qk_norm_rotary", "qk_norm_rotary_cache", "silu_and_mul", "paged_attention",
+                 "rotary_paged_attention", "moe_experts", "select_experts", "sample")
+
+_REF = "turnout.ops.reference.batch_invariant"
+_TRITON = "turnout.ops.triton.batch_invariant"
+# The Triton kernels (one fixed tile config, no split-K or split-KV; fixed-order MoE combine).
+TRITON_OPS = ("linear", "small_m_linear", "paged_attention", "moe_experts")
+
+
+def specs() -> list:
+    """The op this mode adds to the table: ``linear`` (turnout/ops/reference/matmul.py)."""
+    from turnout.ops.reference.matmul import LINEAR
+
+    return [LINEAR]
+
+
+def _triton_check(platform):
+    return platform.triton_usable()
+
+
+def register(view) -> None:
+    """Built-in batch-invariant implementations. Ranked below every other of their family (priority), so
+    that outside the mode nothing changes: the default order picks what it picked before."""
+    for op in INVARIANT_OPS:
+        view.add_impl(Impl(op=op, id="reference.batch_invariant", target=f"{_REF}:{op}", priority=-2000,
+                           batch_invariant=True))
+    for op in TRITON_OPS:
+        view.add_impl(Impl(op=op, id="triton.batch_invariant", target=f"{_TRITON}:{op}",
+                           platforms=(TRITON_PLATFORMS,), priority=-2000, check=_triton_check, batch_invariant=True))
