@@ -135,6 +135,8 @@ class LLMEngine:
         now = time.time() if arrival_time is None else arrival_time
         req = self.input_processor.process(request_id, prompt, params, now)
         p = req.params
+        if p.return_routed_experts and not self.runner.routing.num_layers:
+            raise ValueError("return_routed_experts: this model has no MoE layers")
         seq = Sequence(self.core.scheduler.new_seq_id(), request_id, req.prompt_token_ids, p,
                        seed=req.seed, n=p.n, arrival_time=now)
         seq.grammar = self.input_processor.new_grammar_state(req)  # structured output (its forks copy it)

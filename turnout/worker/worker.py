@@ -92,7 +92,7 @@ class Worker:
 
             input_ids = torch.empty(input_ids.shape, dtype=torch.long, device=self.device)
             dist.broadcast(input_ids, src=0, group=self.tp.group)
-        if has_lanes and r.graphs is not None and r.graphs.can_run(len(sample_idx), meta):
+        if has_lanes == 1 and r.graphs is not None and r.graphs.can_run(len(sample_idx), meta):
             r.graphs.run(input_ids, positions, meta)  # the driver replays its graph: so does this rank
             return
         dev_ids, positions, meta = r._to_device(input_ids, positions, meta)

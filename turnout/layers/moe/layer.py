@@ -109,6 +109,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.routing = routing
         self.gate = Router(hidden_size, routing, logits_fp32=router_logits_fp32, ops=ops, plan=plan)
+        # a list the model runner hands every block for one forward whose routing a request returns
+        # (turnout/engine/routed_experts.py); None otherwise, so other steps record nothing
+        self.record_routing: list | None = None
         expert_dim = latent_size or hidden_size
         self.latent = latent_size is not None and latent_size != hidden_size
         if self.latent:
@@ -128,6 +131,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(hidden)  # the only routing decision
+        if self.record_routing is not None:
+            self.record_routing.append(topk_ids)
         hidden = resolve(hidden)  # [T, H]
         routed_in = self.fc1_latent_proj(hidden) if self.latent else hidden  # [T, L] or [T, H]
         out = self.experts(routed_in, topk_weights, topk_ids)
