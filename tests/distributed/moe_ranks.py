@@ -70,16 +70,20 @@ def expert_shapes(model) -> list:
             for m in model.modules() if isinstance(m, FusedExperts)]
 
 
-def run_case(path: str, prompts, steps: int, ops, tp=None, load_format: str = "auto", ep: bool = False):
+def run_case(path: str, prompts, steps: int, ops, tp=None, load_format: str = "auto", ep: bool = False,
+             fused: bool = False):
+    """``fused``: built with every decode fusion of a GPU's plan (tp_ranks.fused_plan)."""
+    from turnout.layers.fusion import NO_FUSIONS
     from turnout.loader import load_model
 
-    loaded = load_model(path, device="cpu", ops=ops, tp=tp, load_format=load_format, enable_expert_parallel=ep)
+    loaded = load_model(path, device="cpu", ops=ops, tp=tp, load_format=load_format, enable_expert_parallel=ep,
+                        plan=tp_ranks.fused_plan() if fused else NO_FUSIONS)
     logits, tokens = tp_ranks.greedy_run(loaded.model, loaded.hf_config, prompts, steps)
     return logits, tokens, expert_shapes(loaded.model)
 
 
 def rank_main(rank: int, world: int, port: int, cases: list, outdir: str) -> None:
-    """One rank: join the gloo world and run every case ``(name, path, prompts, steps, load_format, ep)``."""
+    """One rank: join the gloo world and run every case ``(name, path, prompts, steps, load_format, ep, fused)``."""
     torch.set_num_threads(1)
     try:
         from turnout.distributed import destroy_distributed, init_distributed
@@ -90,7 +94,7 @@ def rank_main(rank: int, world: int, port: int, cases: list, outdir: str) -> Non
         tp = init_distributed(platform, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
                               timeout_s=120)
         ops = resolve(platform)
-        result = {name: run_case(path, prompts, steps, ops, tp, fmt, ep) for name, path, prompts, steps, fmt, ep in cases}
+        result = {name: run_case(path, prompts, steps, ops, tp, *how) for name, path, prompts, steps, *how in cases}
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
         destroy_distributed()
     except BaseException:

@@ -7,7 +7,9 @@ first layer), each rank loading its shard through the declarative weight map fro
 tensors: a batched prefill of 3 prompts and STEPS greedy decode steps through the paged KV cache, on both ranks,
 against the same checkpoint on one process (TP=1) and against transformers on the prompt plus the tokens
 generated. TP=2 splits every expert by its intermediate dim; EP=2 (qwen3_moe, glm4_moe) gives each rank half the
-experts. Dummy weights (load_format="dummy": a dense qwen3 with a padded vocabulary, qwen2_moe under EP,
+experts. The same with every decode fusion of a GPU's plan (one-row linears, pre-norms inside the qkv and
+router projections, rope in attention; the fused ops' reference implementations) at batch 1 against the unfused
+TP=1 model, under TP (qwen3_moe) and EP (glm4_moe: its float32 router). Dummy weights (load_format="dummy": a dense qwen3 with a padded vocabulary, qwen2_moe under EP,
 glm4_moe under TP) give TP=2 logits equal to TP=1's. Then the whole engine: ``LLM(tensor_parallel_size=2,
 enable_expert_parallel=True)`` against ``LLM()``."""
 
@@ -24,22 +26,24 @@ from turnout.platforms.detect import detect_platform
 import moe_ranks  # noqa: E402  (tests/distributed is on sys.path, as pytest puts a test file's directory)
 
 WORLD = 2
-STEPS = 8
+STEPS = 32
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
-# name -> (checkpoint kind, load_format, expert parallel)
+# name -> (checkpoint kind, load_format, expert parallel, decode fusions at batch 1)
 CASES = {
-    **{kind: (kind, "auto", False) for kind in FAMILIES},
-    "qwen3_moe-ep": ("qwen3_moe", "auto", True),
-    "glm4_moe-ep": ("glm4_moe", "auto", True),
-    "qwen3-dummy": ("qwen3", "dummy", False),
-    "qwen2_moe-dummy-ep": ("qwen2_moe", "dummy", True),
-    "glm4_moe-dummy": ("glm4_moe", "dummy", False),
+    **{kind: (kind, "auto", False, False) for kind in FAMILIES},
+    "qwen3_moe-ep": ("qwen3_moe", "auto", True, False),
+    "glm4_moe-ep": ("glm4_moe", "auto", True, False),
+    "qwen3_moe-fused-batch1": ("qwen3_moe", "auto", False, True),
+    "glm4_moe-ep-fused-batch1": ("glm4_moe", "auto", True, True),
+    "qwen3-dummy": ("qwen3", "dummy", False, False),
+    "qwen2_moe-dummy-ep": ("qwen2_moe", "dummy", True, False),
+    "glm4_moe-dummy": ("glm4_moe", "dummy", False, False),
 }
 
 
-def _prompts(vocab: int, seed: int):
+def _prompts(vocab: int, seed: int, lens=(5, 17, 9)):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 17, 9)]
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +60,14 @@ def world(tmp_path_factory):
         else:
             hf[kind] = moe_ranks.build_hf(kind)
             hf[kind].save_pretrained(root / kind, safe_serialization=True)
-    cases = [(name, str(root / kind), _prompts(moe_ranks.config(kind).vocab_size, i), STEPS, fmt, ep)
-             for i, (name, (kind, fmt, ep)) in enumerate(CASES.items())]
+    cases = [(name, str(root / kind), _prompts(moe_ranks.config(kind).vocab_size, i, (11,) if fused else (5, 17, 9)),
+              STEPS, fmt, ep, fused) for i, (name, (kind, fmt, ep, fused)) in enumerate(CASES.items())]
     torch.set_num_threads(1)
     (root / "out").mkdir()
     ctx = mp.spawn(moe_ranks.rank_main, args=(WORLD, free_port(), cases, str(root / "out")), nprocs=WORLD, join=False)
     ops = resolve(detect_platform("cpu"))
-    single = {name: moe_ranks.run_case(path, prompts, steps, ops, None, fmt) for name, path, prompts, steps, fmt, _ in
-              cases}
+    single = {name: moe_ranks.run_case(path, prompts, steps, ops, None, fmt) for name, path, prompts, steps, fmt, *_ in
+              cases}  # one rank, no fusions
     theirs = {name: _hf_logits(hf[CASES[name][0]], prompts, single[name][1]) for name, _, prompts, *_ in cases
               if CASES[name][1] != "dummy"}
     while not ctx.join(timeout=120):
@@ -107,12 +111,12 @@ def test_parallel_matches_one_rank(world, name):
                 assert start == r * full_gu[0] // 2
             else:
                 assert gu == (full_gu[0], full_gu[1] // 2, full_gu[2]) and down == (*full_down[:2], full_down[2] // 2)
-    assert ref_tokens.shape == (3, STEPS + 1)
+    assert ref_tokens.shape == (len(world[0][name]), STEPS + 1)
     if CASES[name][0] != "qwen3":
         assert ref_shapes, "the model has sparse blocks"
 
 
-@pytest.mark.parametrize("name", [n for n, (_, fmt, _) in CASES.items() if fmt != "dummy"])
+@pytest.mark.parametrize("name", [n for n, (_, fmt, *_) in CASES.items() if fmt != "dummy"])
 def test_parallel_matches_transformers(world, name):
     _, single, theirs, ranks = world
     ref = theirs[name]
