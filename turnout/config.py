@@ -51,6 +51,9 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_space: float = 4.0  # GiB of host memory (pinned on GPUs) for swapped-out blocks; 0: no swapping
     kv_offload_gb: float = 0.0  # GiB of host memory for prefix blocks evicted from the device; 0: no host tier
+    # "fp8": quantise an unquantised checkpoint's linear weights at load (per-channel scales, activations per
+    # token; turnout/quant). None: as the checkpoint is (an fp8 checkpoint's quantization_config is read anyway).
+    quantization: str | None = None
 
     def __post_init__(self):
         def bad(field, why):
@@ -90,6 +93,11 @@ class EngineConfig:
                 bad(name, f"must be a finite number of GiB >= 0, got {v!r}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             bad("swap_space", "preemption_mode='swap' needs swap_space > 0 GiB")
+        if self.quantization is not None:
+            from turnout.quant.config import METHODS
+
+            if self.quantization not in METHODS:
+                bad("quantization", f"unknown method {self.quantization!r} ({', '.join(METHODS)})")
         if self.batch_invariant and self.tensor_parallel_size != 1:
             bad("batch_invariant", "not with tensor_parallel_size > 1 (an all-reduce's summation order depends on "
                 "the message size, so on the batch)")

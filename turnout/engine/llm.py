@@ -24,7 +24,8 @@ class LLM:
                  max_tokens_per_request: int | None = None, fair_share_seqs: int | None = 16,
                  tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
                  enable_expert_parallel: bool = False,
-                 preemption_mode: str = "auto", swap_space: float = 4.0, kv_offload_gb: float = 0.0):
+                 preemption_mode: str = "auto", swap_space: float = 4.0, kv_offload_gb: float = 0.0,
+                 quantization: str | None = None):
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
@@ -37,7 +38,7 @@ class LLM:
                                    distributed_executor_backend=distributed_executor_backend,
                                    enable_expert_parallel=enable_expert_parallel,
                                    preemption_mode=preemption_mode, swap_space=swap_space,
-                                   kv_offload_gb=kv_offload_gb)
+                                   kv_offload_gb=kv_offload_gb, quantization=quantization)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         self._gate = GenerationGate(self.engine)  # pause / abort from another thread (turnout/engine/rl.py)

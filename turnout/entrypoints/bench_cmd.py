@@ -30,7 +30,7 @@ from pathlib import Path
 
 from turnout.entrypoints import bench_serve
 from turnout.entrypoints.bench_serve_metrics import json_safe as _clean
-from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args
+from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args, add_quantization_arg
 from turnout.entrypoints.bench_models import (NullTokenizer, bench_tokenizer, config_roots,  # noqa: F401
                                           has_tokenizer_files, random_prompts, resolve_model)
 
@@ -70,6 +70,7 @@ def _common(p) -> None:
                         "(default: on for GPUs, off on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     add_kv_tier_and_parallel_args(p)
+    add_quantization_arg(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None, help="default: input-len + output-len")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -138,7 +139,8 @@ def build_llm(args, batch: int):
               load_format=load_format, seed=args.seed, ops_policy=args.ops_policy, block_size=args.block_size,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               tokenizer=bench_tokenizer(path), tensor_parallel_size=args.tensor_parallel_size,
-              enable_expert_parallel=args.enable_expert_parallel, batch_invariant=args.batch_invariant,
+              enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+              batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
     return llm, path, load_format, time.perf_counter() - t0
 

@@ -18,3 +18,10 @@ def add_kv_tier_and_parallel_args(p) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs bitwise the same whatever else is batched with it (batch "
                         "size, chunked prefill, prefix-cache hits): batch-invariant kernels only; slower")
+
+
+def add_quantization_arg(p) -> None:
+    """--quantization (turnout/quant)."""
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantise the linear weights of an unquantised checkpoint at load (per-channel "
+                        "scales, activations per token); an fp8 checkpoint is read as it is without it")

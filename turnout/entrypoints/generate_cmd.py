@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args
+from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args, add_quantization_arg
 
 
 def add_arguments(p) -> None:
@@ -28,6 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="no CUDA graphs (default: graphs on a GPU)")
     add_kv_tier_and_parallel_args(p)
+    add_quantization_arg(p)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before the last one's tokens are read back "
                         "(default: on for GPUs, off on CPU)")
@@ -45,7 +46,8 @@ def run(args) -> int:
               load_format=args.load_format, ops_policy=args.ops_policy,
               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
               async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-              enable_expert_parallel=args.enable_expert_parallel, batch_invariant=args.batch_invariant,
+              enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+              batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
     engine = llm.engine
     if args.chat:

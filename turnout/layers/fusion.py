@@ -42,6 +42,9 @@ class FusionPlan:
     # the ``linear`` op (a fixed reduction order), and nothing above is fused (the fused paths are chosen by
     # batch size, so a row's arithmetic would change with the batch).
     all_linear: bool = False
+    # Not a fusion: how the quantizable linear layers hold and multiply their weights (turnout/quant; None:
+    # in the compute dtype). Set by the loader from the checkpoint or EngineConfig.quantization.
+    linear_quant: object | None = None
 
     def __post_init__(self):
         if self.all_linear and (self.one_row_linear or self.rope_attention):

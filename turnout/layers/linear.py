@@ -10,6 +10,9 @@ slice of a full checkpoint tensor (column layers split the output dim, row layer
 layers each packed part: rank r holds its share of q, of k, of v, of gate, of up). A row-parallel layer sums
 its partial products with ``ops.all_reduce`` over the group. In a world of one (``SINGLE``, the default)
 nothing is split and no collective is called: the layers are exactly the single-device ones.
+
+Quantisation (``plan.linear_quant``, e.g. turnout/quant/fp8.py): a layer that is ``quantizable`` (not the
+replicated ones: routers, latent projections) lets the method create its parameters and runs its forward.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class LinearBase(nn.Module):
     ``plan.one_row_linear`` one-row inputs go through ``ops.small_m_linear``, and the layer takes a pending
     pre-norm into its own kernel where ``plan.fuses_prenorm`` says so for its weight shape."""
 
+    quantizable = True  # plan.linear_quant applies (False: kept in the compute dtype)
+
     def __init__(self, input_size: int, output_size: int, bias: bool, *, tp: TPGroup = SINGLE, ops=None,
                  plan: FusionPlan = NO_FUSIONS):
         super().__init__()
@@ -70,7 +75,12 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.one_row_ops, self.takes_norm = one_row_path(ops, plan, *self.weight.shape)
+        self.quant = plan.linear_quant if self.quantizable else None
+        if self.quant is not None:  # its own parameters and forward; no one-row fusion of float weights
+            self.quant.create_weights(self, ops)
+            self.one_row_ops, self.takes_norm = None, False
+        else:
+            self.one_row_ops, self.takes_norm = one_row_path(ops, plan, *self.weight.shape)
         self.linear_ops = all_rows_path(ops, plan)
 
     def local_shape(self, out: int, inp: int) -> tuple[int, int]:
@@ -80,7 +90,12 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.one_row_ops, self.takes_norm, self.linear_ops)
+        return self._project(x, self.bias)
+
+    def _project(self, x, bias):
+        if self.quant is not None:
+            return self.quant.apply(self, x if isinstance(x, torch.Tensor) else x.tensor(), bias)
+        return project(x, self.weight, bias, self.one_row_ops, self.takes_norm, self.linear_ops)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -106,7 +121,9 @@ def all_rows_path(ops, plan: FusionPlan):
 
 
 class ReplicatedLinear(LinearBase):
-    """The full weight on every rank (small projections, routers)."""
+    """The full weight on every rank (small projections, routers); never quantised."""
+
+    quantizable = False
 
     def local_shape(self, out, inp):  # whole on every rank, whatever its group
         return out, inp
@@ -159,7 +176,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x):
         # With tp_size > 1 only rank 0 adds the bias, so the reduced sum carries it once.
         bias = self.bias if self.tp_rank == 0 else None
-        y = project(x, self.weight, bias, self.one_row_ops, self.takes_norm, self.linear_ops)
+        y = self._project(x, bias)
         if self.reduce_ops is not None:
             y = self.reduce_ops.all_reduce(y, self.tp.group)  # [T, out], summed over the ranks, in place
         return y

@@ -164,9 +164,18 @@ class _Progress:
         self.bar.close()
 
 
+def _linear_quant(hf_config, quantization, ops):
+    if quantization is None and not getattr(hf_config, "quantization_config", None):
+        return None
+    from turnout.quant import linear_quant
+
+    return linear_quant(hf_config, quantization, ops)
+
+
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str | torch.dtype = "auto",
                device: torch.device | str = "cpu", ops, seed: int = 0, tokenizer=None, plan=None,
-               tp=None, enable_expert_parallel: bool = False) -> LoadedModel:
+               tp=None, enable_expert_parallel: bool = False,
+               quantization: str | None = None) -> LoadedModel:
     """Build the model for ``model`` on ``device`` with weights from its checkpoint.
 
     ``load_format``: "auto" (by what ``model`` is), "safetensors", "gguf", or "dummy" (random weights
@@ -176,7 +185,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     the model is built with (turnout/layers/fusion.py; None: no fused decode kernels). ``tp``: this rank's
     ``turnout.distributed.TPGroup`` (None: one device): the model is built as this rank's shard and each
     checkpoint tensor loads its slice. ``enable_expert_parallel``: an MoE model's ranks split its experts by id
-    (ignored by a model without experts, and on one rank).
+    (ignored by a model without experts, and on one rank). ``quantization``: "fp8" quantises an unquantised
+    checkpoint's linear weights at load; a checkpoint's own ``quantization_config`` is read in any case
+    (turnout/quant).
     """
     from transformers import PretrainedConfig
 
@@ -213,6 +224,13 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         progress.done()
         cls = get_model_class(getattr(hf_config, "architectures", None))
         torch_dtype = resolve_dtype(dtype, hf_config, device)
+        quant = _linear_quant(hf_config, quantization, ops)
+        if quant is not None:  # the linear layers create fp8 parameters (turnout/quant/fp8.py)
+            from dataclasses import replace
+
+            from turnout.layers.fusion import NO_FUSIONS
+
+            plan = replace(plan or NO_FUSIONS, linear_quant=quant)
         with _default_dtype(torch_dtype), device:
             if tp is not None and tp.size > 1:
                 from turnout.layers.fusion import NO_FUSIONS

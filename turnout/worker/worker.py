@@ -55,7 +55,8 @@ class Worker:
         self.loaded = load_model(config.model, load_format=config.load_format, dtype=config.dtype, device=self.device,
                                  ops=self.ops, seed=config.seed, tokenizer=config.tokenizer,
                                  plan=plan_fusions(self.ops), tp=self.tp if world_size > 1 else None,
-                                 enable_expert_parallel=config.enable_expert_parallel)
+                                 enable_expert_parallel=config.enable_expert_parallel,
+                                 quantization=config.quantization)
         self.runner = None
         if runner:
             self.build_runner()

@@ -1,0 +1,48 @@
+"""Quantised weights (issue 23: fp8). ``linear_quant(hf_config, quantization, ops)`` is what the loader puts
+in the fusion plan (``FusionPlan.linear_quant``) before the model is built: the method the linear layers
+create their parameters and run their forward with (turnout/quant/fp8.py), or None.
+
+The arithmetic is in ops (turnout/ops/reference/fp8.py: ``quantize_fp8``, ``scaled_mm``,
+``block_scaled_mm``, ``fp8_linear``), called by name through the op table, so a platform without fp8 matrix
+units runs the dequantising references, and the start-up line says which implementation serves each.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from turnout.quant.config import METHODS, Fp8Config, quant_config
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["METHODS", "Fp8Config", "linear_quant", "quant_config"]
+
+FP8_OPS = ("quantize_fp8", "scaled_mm", "block_scaled_mm", "fp8_linear")
+
+
+def _served_by(ops, op: str) -> str:
+    res = ops.resolutions.get(op)
+    if res is None or res.chosen is None:
+        return f"{op}: none"
+    skipped = [f"{c.impl} ({c.reason})" for c in res.candidates if c.impl != res.chosen and not c.available
+               and c.impl != "reference.torch"]
+    return f"{op}: {res.chosen}" + (f" [skipped {'; '.join(skipped)}]" if skipped else "")
+
+
+def linear_quant(hf_config, quantization: str | None, ops):
+    """The linear-layer quantisation method for this model and op table (None: unquantised); ValueError
+    naming ``quantization`` / the ``quantization_config`` field that cannot be served. Logs once which
+    implementation runs each fp8 op, and why the faster ones do not (no fp8 units: the dequantising
+    fallback)."""
+    from turnout.quant.fp8 import make_method
+
+    cfg = quant_config(hf_config, quantization)
+    if cfg is None:
+        return None
+    method = make_method(cfg, ops)
+    used = ["fp8_linear"] if cfg.activations == "none" else \
+        ["quantize_fp8", "block_scaled_mm" if cfg.weights == "block" else "scaled_mm"] + \
+        (["fp8_linear"] if method.weight_only_rows else [])
+    logger.info("quantization %s; %s%s", cfg.describe(), ", ".join(_served_by(ops, op) for op in used),
+                "; one-row inputs weight-only (fp8_linear)" if method.weight_only_rows else "")
+    return method
