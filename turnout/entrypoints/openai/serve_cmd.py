@@ -17,7 +17,7 @@ import logging
 import signal
 
 from turnout import envs
-from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args
+from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args, add_quantization_arg
 
 logger = logging.getLogger("turnout.serve")
 
@@ -54,6 +54,7 @@ def add_arguments(p) -> None:
                    help="while others wait, one request runs at most this many of its sequences a step "
                         "(0: no cap)")
     add_kv_tier_and_parallel_args(e)
+    add_quantization_arg(e)
     e.add_argument("--block-size", type=int, default=16, help="tokens in one KV-cache block")
     e.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache bytes (CPU default 1 GiB)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -123,7 +124,7 @@ def build_config(args):
         served_model_name=(args.served_model_name or [None])[0],
         max_tokens_per_request=args.max_tokens_per_request, fair_share_seqs=args.fair_share_seqs or None,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-        batch_invariant=args.batch_invariant,
+        quantization=args.quantization, batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
 
 
