@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import math
@@ -75,6 +76,8 @@ def add_arguments(p) -> None:
 
 
 def _validate(args) -> None:
+    if importlib.util.find_spec("httpx") is None:
+        raise ValueError("turnout bench serve needs httpx, which is not installed: pip install 'httpx>=0.27'")
     ep = _ENDPOINT_ALIASES.get(str(args.endpoint).strip().lower())
     if ep is None:
         raise ValueError(f"--endpoint: expected completions or chat, got {args.endpoint!r}")
