@@ -233,3 +233,38 @@ def _logprob(entry):
 
 def _held_experts(worker):
     return [start for _, _, start in moe_ranks.expert_shapes(worker.loaded.model)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dummy_shard_is_the_slice_of_the_whole(device):
+    """A rank's dummy parameters, drawn on the device, are slices of the TP=1 dummy model's: rank 1 of 2 under TP
+    (every expert's second half of the intermediate dim, q heads 2-3, embedding rows 48-95, o_proj columns) and
+    under EP (experts 4-7 whole). Building a shard makes no collective call, so one process (one GPU) shows it."""
+    from transformers import PretrainedConfig
+
+    from turnout.loader import load_model
+
+    cfg = moe_ranks.config("qwen3_moe")
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    ops = resolve(detect_platform(device))
+    assert isinstance(cfg, PretrainedConfig)
+
+    def params(tp=None, ep=False):
+        loaded = load_model(cfg, load_format="dummy", device=device, dtype="float32", ops=ops, tp=tp,
+                            enable_expert_parallel=ep)
+        return dict(loaded.model.named_parameters())
+
+    whole, tp, ep = params(), params(_fake_group(1, 2)), params(_fake_group(1, 2), True)
+    experts = "model.layers.0.mlp.experts."
+    gu, down = whole[experts + "gate_up_proj"], whole[experts + "down_proj"]  # [8, 64, 64], [8, 64, 32]
+    assert torch.equal(ep[experts + "gate_up_proj"], gu[4:]) and torch.equal(ep[experts + "down_proj"], down[4:])
+    assert torch.equal(tp[experts + "gate_up_proj"], torch.cat([gu[:, 16:32], gu[:, 48:]], 1))
+    assert torch.equal(tp[experts + "down_proj"], down[:, :, 16:])
+    for shard in (tp, ep):  # attention and the rest split the same way in both
+        assert torch.equal(shard["model.embed_tokens.weight"], whole["model.embed_tokens.weight"][48:])
+        assert torch.equal(shard["model.layers.0.self_attn.qkv_proj.weight"][:32],
+                           whole["model.layers.0.self_attn.qkv_proj.weight"][32:64])  # q heads 2, 3 (head_dim 16)
+        assert torch.equal(shard["model.layers.0.self_attn.o_proj.weight"],
+                           whole["model.layers.0.self_attn.o_proj.weight"][:, 32:])
+        assert torch.equal(shard["model.layers.0.mlp.gate.weight"], whole["model.layers.0.mlp.gate.weight"])
+    assert gu.std() > 0.01
