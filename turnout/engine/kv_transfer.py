@@ -15,6 +15,13 @@ Copies out (swap-outs, evictions to the host prefix tier) run in line on the com
 anything else of the step, so they read the blocks before the step can overwrite them. With none of
 the ops, swap preemption and the host tier are refused at start-up with the reasons (auto preempts by
 recompute, logged). The CPU has no streams: there the async op is unavailable, with that reason.
+
+A swap op whose implementation raises on its first call (the dispatch layer's guard then refuses to
+retry it: the op writes into its destination) is dropped here and the same copy is run again with the
+next op (async -> sync -> whole cache; copies out: sync -> async in line -> whole cache), logged once.
+That is safe because no copy writes its source: a swap-in reads the host blocks, a swap-out the device
+blocks, and the retry overwrites whatever the failed call left in the destination blocks. Under a strict
+ops policy there is no such fallback (the guard's error is raised).
 """
 
 from __future__ import annotations
@@ -27,22 +34,26 @@ import torch
 
 from turnout.engine.scheduler import Preemption
 from turnout.layers.attention import AttentionMetadata
+from turnout.ops import OpFailedError
 
 logger = logging.getLogger(__name__)
 
 # (how it is named in the log, the op), in the order tried
 STRATEGIES = (("async per layer", "swap_layer_async"), ("sync per layer", "swap_layer"), ("whole cache", "swap_blocks"))
+# the ops a copy that runs in line (every copy out; a sync swap-in) tries, in order
+IN_LINE = ("swap_layer", "swap_layer_async", "swap_blocks")
 
 
-def choose_strategy(ops) -> tuple[tuple[str, str] | None, list[tuple[str, str]]]:
-    """The first strategy the op table serves, and (op, why) of each one skipped before it (all of them
-    when none is served)."""
+def choose_strategy(ops, failed: dict[str, str] | None = None) -> tuple[tuple[str, str] | None, list[tuple[str, str]]]:
+    """The first strategy the op table serves (and that has not ``failed``: op -> why), and (op, why) of
+    each one skipped before it (all of them when none is served)."""
     skipped = []
+    failed = failed or {}
     for name, op in STRATEGIES:
-        if ops.available(op):
+        if ops.available(op) and op not in failed:
             return (name, op), skipped
         res = ops.resolutions.get(op)
-        why = "not in the op table" if res is None else (res.error or "no implementation")
+        why = failed.get(op) or ("not in the op table" if res is None else (res.error or "no implementation"))
         skipped.append((op, why))
     return None, skipped
 
@@ -93,6 +104,7 @@ class KVTransfer:
     def __init__(self, runner, config):
         self.runner = runner
         self.ops = runner.ops
+        self.failed: dict[str, str] = {}  # swap ops that raised on their first call -> why (never used again)
         self.strategy, self.skipped = choose_strategy(self.ops)
         mode = config.preemption_mode
         why_not = None
@@ -188,20 +200,49 @@ class KVTransfer:
         self.prefill_tokens_per_s = tokens / best
 
     # ---- the copies ---------------------------------------------------------------------------
+    def _call(self, op: str, src, dst, m, stream=None):
+        """One layer's copy (src, dst: [k, v]) through ``op``; in line unless ``stream`` (the async op's)."""
+        ops = self.ops
+        if op == "swap_layer_async":
+            return ops.swap_layer_async(list(src), list(dst), m, **({"stream": stream} if stream is not None else {}))
+        if op == "swap_layer":
+            return ops.swap_layer(list(src), list(dst), m)
+        for s, d in zip(src, dst):
+            ops.swap_blocks(s, d, m)
+        return None
+
+    def _drop(self, op: str, err: OpFailedError) -> None:
+        """``op`` raised on its first call: never use it again, move the strategy on, say so once. With no
+        op left, or under a strict ops policy, the error is raised (the engine stops loudly)."""
+        if self.ops.policy.strict:
+            raise err
+        self.failed[op] = f"failed on first use: {err}"
+        self.strategy, self.skipped = choose_strategy(self.ops, self.failed)
+        if self.strategy is None:
+            raise RuntimeError("KV tiers: every swap op failed, no copy between the device and the host can run ("
+                               + "; ".join(f"{o}: {why}" for o, why in self.skipped) + ")") from err
+        logger.warning("KV tiers: swap op %s failed on its first call, redoing the copy with the next one; swap-ins "
+                       "now %s (%s): %s", op, self.strategy[0], self.strategy[1], err)
+
+    def _in_line(self, srcs, dsts, m) -> None:
+        """Copies of the given layers in line, through the first in-line op not dropped (a first-call failure
+        drops it and redoes these layers with the next)."""
+        while True:
+            op = next((o for o in IN_LINE if self.ops.available(o) and o not in self.failed), None)
+            if op is None:
+                raise RuntimeError(f"KV tiers: no swap op left ({self.failed})")
+            try:
+                for s, d in zip(srcs, dsts):
+                    self._call(op, s, d, m)
+                return
+            except OpFailedError as e:
+                self._drop(op, e)
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, host block) copies, in line on the compute stream."""
         if not pairs:
             return
-        m = torch.tensor(pairs, dtype=torch.long)
-        ops = self.ops
-        for (k, v), (hk, hv) in zip(self.runner.kv_caches, self.host_caches):
-            if ops.available("swap_layer"):
-                ops.swap_layer([k, v], [hk, hv], m)
-            elif ops.available("swap_layer_async"):
-                ops.swap_layer_async([k, v], [hk, hv], m)  # on the current stream: in line
-            else:
-                ops.swap_blocks(k, hk, m)
-                ops.swap_blocks(v, hv, m)
+        self._in_line(self.runner.kv_caches, self.host_caches, torch.tensor(pairs, dtype=torch.long))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> LayerGate | None:
         """(host block, device block) copies before this step's forward reads them: a gate the forward
@@ -209,16 +250,17 @@ class KVTransfer:
         if not pairs:
             return None
         m = torch.tensor(pairs, dtype=torch.long)
-        ops, caches, host = self.ops, self.runner.kv_caches, self.host_caches
-        name = self.strategy[1]
-        if name == "swap_layer_async":
+        caches, host = self.runner.kv_caches, self.host_caches
+        if self.strategy[1] == "swap_layer_async":
             main = self._mod.current_stream(self.runner.device)
             self._stream.wait_stream(main)  # the blocks' previous owner's work (reads and writes) comes first
-            events = [ops.swap_layer_async(list(h), list(c), m, stream=self._stream) for h, c in zip(host, caches)]
+            try:
+                events = [self._call("swap_layer_async", h, c, m, self._stream) for h, c in zip(host, caches)]
+            except OpFailedError as e:  # its first call: nothing of it is waited on; the next strategy redoes it
+                self._drop("swap_layer_async", e)
+                return self.swap_in(pairs)
             return LayerGate(len(caches), lambda i: main.wait_event(events[i]))
-        if name == "swap_layer":
-            return LayerGate(len(caches), lambda i: ops.swap_layer(list(host[i]), list(caches[i]), m))
-        for (hk, hv), (k, v) in zip(host, caches):
-            ops.swap_blocks(hk, k, m)
-            ops.swap_blocks(hv, v, m)
+        if self.strategy[1] == "swap_layer":
+            return LayerGate(len(caches), lambda i: self._in_line([host[i]], [caches[i]], m))
+        self._in_line(host, caches, m)
         return None
