@@ -27,6 +27,7 @@ from turnout.entrypoints.openai.http_guard import RequestGuard
 from turnout.entrypoints.openai.metrics import ServerMetrics
 from turnout.entrypoints.openai.serving_chat import create_chat_completion
 from turnout.entrypoints.openai.serving_completions import create_completion
+from turnout.entrypoints.openai.web import register_web_routes
 
 logger = logging.getLogger("turnout.serve")
 
@@ -232,5 +233,6 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         return await create_chat_completion(state, request)
 
+    register_web_routes(app, state)
     app.add_middleware(RequestGuard, state=state, max_header_count=state.max_header_count)
     return app

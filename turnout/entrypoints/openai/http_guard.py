@@ -9,9 +9,10 @@ Two layers, each where its information is:
   are refused at once. A stalled or refused connection gets an OpenAI-shaped 408 / 503 where no response
   has started on it, then it is closed; an aborted connection is a disconnect to the app (its request is
   aborted within a step).
-* ``RequestGuard`` (pure ASGI): duplicate ``Authorization`` headers (400), the API key on /v1/* (401), too
-  many header fields (431), a POST whose Content-Type is not JSON (415: a browser's cross-origin "simple"
-  POST, text/plain or a form, must not start a generation), the body size limit (413, chunked uploads too).
+* ``RequestGuard`` (pure ASGI): duplicate ``Authorization`` headers (400), the API key on /v1/* and
+  ``KEYED_PATHS`` (401), too many header fields (431), a POST whose Content-Type is not JSON (415: a
+  browser's cross-origin "simple" POST, text/plain or a form, must not start a generation), the body size
+  limit (413, chunked uploads too).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ logger = logging.getLogger("turnout.serve")
 
 _DRAIN_FACTOR = 16  # bodies up to 16x the limit are read away before the 413; larger ones are cut off
 _JSON = b"application/json"
+KEYED_PATHS = frozenset({"/ops"})  # data endpoints outside /v1 that need the API key too (web.py's op table)
 
 
 def _error_body(message: str, type: str, code: str) -> bytes:
@@ -156,7 +158,7 @@ class RequestGuard:
         if len(auths) > 1:
             return await error_response(400, "Authorization: the header is given more than once.",
                                         param="Authorization", code="duplicate_header")(scope, receive, send)
-        if state.api_key and scope["path"].startswith("/v1"):
+        if state.api_key and (scope["path"].startswith("/v1") or scope["path"] in KEYED_PATHS):
             scheme, _, token = (auths[0] if auths else b"").partition(b" ")
             expected = state.api_key.encode()
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)):
