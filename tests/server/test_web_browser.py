@@ -21,7 +21,7 @@ import openai
 import pytest
 from conftest import ServerProcess
 
-CHROMIUM = os.environ.get("TURNOUT_TEST_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"no chromium at {CHROMIUM} (.ci/run installs Debian's: apt-get install chromium)",
                 allow_module_level=True)
@@ -181,6 +181,24 @@ def test_chat_streams_and_dashboard_draws(srv, browser, tmp_path):
     assert near > 20
     assert Image.open(shot).size[1] > 600
     chat.close()
+    dash.close()
+    assert not errors
+
+
+def test_dashboard_reads_metrics_as_prometheus_client_does(srv, browser):
+    """The page's /metrics parser against prometheus_client's own, on the same scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{srv.base_url}/metrics").text
+    want = sorted((s.name, tuple(sorted(s.labels.items())), s.value)
+                  for fam in text_string_to_metric_families(text) for s in fam.samples)
+    errors = []
+    dash = open_page(browser, f"{srv.base_url}/dashboard", errors)
+    got = dash.evaluate("""t => [...parsePrometheus(t)].flatMap(([name, rows]) =>
+        rows.map(r => [name, Object.entries(r.labels).sort(), r.value]))""", text)
+    got = sorted((n, tuple(tuple(kv) for kv in labels), v) for n, labels, v in got)
+    assert len(want) > 30 and got == want
+    assert any(n == "turnout_time_to_first_token_seconds_bucket" for n, _, _ in got)
     dash.close()
     assert not errors
 
