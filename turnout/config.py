@@ -85,6 +85,8 @@ class EngineConfig:
         if self.distributed_executor_backend == "uniproc" and self.tensor_parallel_size != 1:
             bad("distributed_executor_backend", f"uniproc runs one rank, but tensor_parallel_size is "
                 f"{self.tensor_parallel_size}; use mp")
+        if not isinstance(self.enable_expert_parallel, bool):
+            bad("enable_expert_parallel", f"must be True or False, got {self.enable_expert_parallel!r}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             bad("preemption_mode", f"unknown mode {self.preemption_mode!r} (recompute, swap, auto)")
         for name in ("swap_space", "kv_offload_gb"):

@@ -156,6 +156,13 @@ def test_shapes_that_do_not_split_are_named():
     assert moe_ranks.expert_shapes(model)[0] == ((2, 60, 64), (2, 64, 30), 2)
 
 
+def test_enable_expert_parallel_must_be_a_bool():
+    from turnout.config import EngineConfig
+
+    with pytest.raises(ValueError, match="enable_expert_parallel: must be True or False, got 'yes'"):
+        EngineConfig(enable_expert_parallel="yes")
+
+
 @pytest.mark.parametrize("ep", [False, True])
 def test_per_expert_and_stacked_checkpoints_load_the_same_slice(ep):
     """A rank's experts from per-expert tensors and from the stacked layout are the same slice of the full ones;
