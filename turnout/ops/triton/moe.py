@@ -198,6 +198,16 @@ def moe_experts_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
                         topk_ids: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
     """The sorted, block-aligned grouped-GEMM path (any T; the one used beyond decode sizes)."""
     num_tokens, hidden_size = hidden.shape
+    if num_tokens * topk_ids.shape[1] == 0:
+        return torch.zeros_like(hidden)
+    return grouped_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, config).sum(dim=1).to(hidden.dtype)
+
+
+def grouped_pair_outputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """Steps 1-3: each (token, slot) pair's weighted expert output, float32 [T, k, H] (the batch-invariant
+    mode sums the slots itself, in a fixed order: turnout/ops/triton/batch_invariant.py)."""
+    num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
@@ -206,8 +216,6 @@ def moe_experts_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     weights = topk_weights.float().contiguous().reshape(-1)  # [N]
-    if num_pairs == 0:
-        return torch.zeros_like(hidden)
 
     cfg = config or gemm_config(num_pairs, num_experts)
     block_m = cfg.block_m
@@ -234,4 +242,4 @@ def moe_experts_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, PRECISION=precision, UPCAST=upcast,
         num_warps=num_warps, num_stages=num_stages)
-    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+    return pair_out.view(num_tokens, top_k, hidden_size)
