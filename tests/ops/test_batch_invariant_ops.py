@@ -86,7 +86,7 @@ def _row_case(op, dtype, gen):
             return [a[1], a[2], a[9].view(N, 2, 32)[a[11]], a[10].view(N, 2, 32)[a[11]]]
         return [pos, q, k, v, qw, kw, 1e-6, cache, True, kc, vc, slots], (0, 1, 2, 3, 11), run
     if op == "sample":
-        args = [_rand(N, 300, scale=3.0, gen=gen), torch.rand(N, generator=gen).to(DEV) * 1.5,
+        args = [_rand(N, 120, scale=3.0, gen=gen), torch.rand(N, generator=gen).to(DEV) * 1.5,
                 torch.randint(0, 40, (N,), generator=gen).to(DEV, torch.int32), torch.rand(N, generator=gen).to(DEV),
                 torch.rand(N, generator=gen).to(DEV) * 0.1, torch.randint(0, 2 ** 62, (N,), generator=gen).to(DEV),
                 torch.randint(0, 1000, (N,), generator=gen).to(DEV)]
@@ -108,11 +108,15 @@ def _subset(args, rows, idx):
             for i, a in enumerate(args)]
 
 
-def _batches(op):
+def _batches(op, few=False):
+    """(n, where, rows): batches of n rows with the followed row at ``where`` (front, middle, end; only the
+    middle with ``few``: the Triton interpreter is slow)."""
     sizes = [s for s in SIZES if s <= 16] + [16] if op in ("small_m_linear", "add_rms_norm_linear") else SIZES
+    if few and op == "sample":  # ~3 s per interpreted 64-row call; a GPU runs the 64
+        sizes = sizes[:-1]
     g = torch.Generator().manual_seed(7)
     for n in sizes:
-        for where in sorted({0, n // 2, n - 1}):  # the followed row first, in the middle, last
+        for where in ([n // 2] if few else sorted({0, n // 2, n - 1})):
             others = (torch.randperm(N - 1, generator=g)[: n - 1] + 1).tolist()
             yield n, where, others[:where] + [0] + others[where:]
 
@@ -125,7 +129,7 @@ def test_a_row_alone_equals_the_row_in_any_batch(op, impl_id, fn):
             continue
         args, rows, run = _row_case(op, dt, torch.Generator().manual_seed(0))
         alone = [t[0].clone() for t in run(fn, _subset(args, rows, torch.tensor([0], device=DEV)))]
-        for n, where, idx in _batches(op):
+        for n, where, idx in _batches(op, few=impl_id.startswith("triton") and not PLATFORM.is_gpu):
             got = run(fn, _subset(args, rows, torch.tensor(idx, device=DEV)))
             for j, (a, g) in enumerate(zip(alone, got)):
                 assert torch.equal(a, g[where]), (f"{op} {impl_id} {dtype}: output {j} of the row at {where} in a "

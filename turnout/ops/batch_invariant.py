@@ -26,9 +26,17 @@ INVARIANT_OPS = ("linear", "small_m_linear", "add_rms_norm_linear", "rms_norm", 
                  "rotary_paged_attention", "moe_experts", "select_experts", "sample")
 
 _REF = "turnout.ops.reference.batch_invariant"
-_TRITON = "turnout.ops.triton.batch_invariant"
-# The Triton kernels (one fixed tile config, no split-K or split-KV; fixed-order MoE combine).
-TRITON_OPS = ("linear", "small_m_linear", "paged_attention", "moe_experts")
+# Triton: the kernels of turnout/ops/triton/batch_invariant.py (one fixed tile config, no split-K or split-KV,
+# fixed-order MoE combine), and the row-wise kernels of the default set that are invariant as they are: one
+# program per row (per token for rotary), launch config from the row's width only, never from the row count.
+TRITON_TARGETS = {op: f"turnout.ops.triton.batch_invariant:{op}"
+                  for op in ("linear", "small_m_linear", "paged_attention", "moe_experts")}
+TRITON_TARGETS.update({"rms_norm": "norm:rms_norm", "fused_add_rms_norm": "norm:fused_add_rms_norm",
+                       "rotary_embedding": "rotary:rotary_embedding", "qk_norm_rotary": "rotary:qk_norm_rotary",
+                       "qk_norm_rotary_cache": "rotary:qk_norm_rotary_cache",
+                       "silu_and_mul": "activation:silu_and_mul", "select_experts": "routing:select_experts",
+                       "sample": "sampling:sample"})
+TRITON_TARGETS = {op: t if t.startswith("turnout.") else f"turnout.ops.triton.{t}" for op, t in TRITON_TARGETS.items()}
 
 
 def specs() -> list:
@@ -48,6 +56,6 @@ def register(view) -> None:
     for op in INVARIANT_OPS:
         view.add_impl(Impl(op=op, id="reference.batch_invariant", target=f"{_REF}:{op}", priority=-2000,
                            batch_invariant=True))
-    for op in TRITON_OPS:
-        view.add_impl(Impl(op=op, id="triton.batch_invariant", target=f"{_TRITON}:{op}",
+    for op, target in TRITON_TARGETS.items():
+        view.add_impl(Impl(op=op, id="triton.batch_invariant", target=target,
                            platforms=(TRITON_PLATFORMS,), priority=-2000, check=_triton_check, batch_invariant=True))
