@@ -176,7 +176,8 @@ def _resolve_on(plat):
 def _triton_ops(registry):
     from turnout.ops import triton as triton_impls
 
-    return {op for op in triton_impls.KERNELS if op in registry.ops}
+    # the fp8 kernels also need e4m3fn units (turnout/ops/fp8_platform.py), which these platforms do not declare
+    return {op for op in triton_impls.KERNELS if op in registry.ops and op not in triton_impls.FP8_OPS}
 
 
 def _assert_triton_chosen(plat):

@@ -27,6 +27,10 @@ KERNELS: dict[str, str] = {
     "small_m_linear": "linear:small_m_linear",
     "add_rms_norm_linear": "linear:add_rms_norm_linear",
     "apply_token_bitmask": "bitmask:apply_token_bitmask",
+    "quantize_fp8": "fp8:quantize_fp8",
+    "scaled_mm": "fp8:scaled_mm",
+    "block_scaled_mm": "fp8:block_scaled_mm",
+    "fp8_linear": "fp8:fp8_linear",
 }
 
 
@@ -37,7 +41,20 @@ PAYS: dict[str, bool | str] = {
     "small_m_linear": True,
     "add_rms_norm_linear": "turnout.ops.triton.linear:norm_fusion_pays",
     "rotary_paged_attention": True,
+    "fp8_linear": True,  # the one-row kernel streams the fp8 weight: decode rows skip activation quantisation
 }
+
+# ops whose kernels need e4m3fn fp8 units besides Triton (turnout/ops/fp8_platform.py: sm89+ on CUDA)
+FP8_OPS = ("quantize_fp8", "scaled_mm", "block_scaled_mm", "fp8_linear")
+
+
+def _fp8_check(platform):
+    ok, why = platform.triton_usable()
+    if not ok:
+        return ok, why
+    from turnout.ops.fp8_platform import check
+
+    return check(platform)
 
 
 def _attn_note() -> str:
@@ -79,5 +96,6 @@ def register(registry) -> None:
         if op not in registry.ops:  # an op whose declaration is not loaded
             continue
         registry.add_impl(Impl(op=op, id="triton.default", target=f"turnout.ops.triton.{target}",
-                               platforms=(TRITON_PLATFORMS,), priority=0, check=_check, choices=CHOICES.get(op, ()),
+                               platforms=(TRITON_PLATFORMS,), priority=0,
+                               check=_fp8_check if op in FP8_OPS else _check, choices=CHOICES.get(op, ()),
                                pays=PAYS.get(op)))

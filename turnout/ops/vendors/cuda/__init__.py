@@ -2,8 +2,9 @@
 
 Today that is vLLM's compiled extension (``vllm._C``), whose ops live in the lazy namespaces
 ``torch.ops._C`` and ``torch.ops._C_cache_ops``, and torch's own grouped GEMM for ``moe_experts``
-(``moe.py``, ranked below the Triton kernel). The loaders in ``vllm_ops`` fetch each op for real, so a
-wheel built without compiled ops (seed 003) shows up as "unavailable: ..." here, and the op falls back.
+(``moe.py``, ranked below the Triton kernel), and ``torch._scaled_mm`` for ``scaled_mm`` (``fp8.py``). The
+loaders in ``vllm_ops`` fetch each op for real, so a wheel built without compiled ops (seed 003) shows up as
+"unavailable: ..." here, and the op falls back.
 This module only declares; nothing is imported until an implementation is probed.
 """
 
@@ -29,6 +30,9 @@ def register(registry) -> None:
         if op in registry.ops:
             registry.add_impl(Impl(op=op, id="vendor.cuda", target=f"turnout.ops.vendors.cuda.swap:{op}",
                                    platforms=PLATFORMS, priority=0))
+    if "scaled_mm" in registry.ops:  # torch._scaled_mm with row-wise scales (fp8.py), sm90+
+        registry.add_impl(Impl(op="scaled_mm", id="vendor.cuda", target="turnout.ops.vendors.cuda.fp8:load",
+                               factory=True, platforms=("cuda",)))
     if "moe_experts" in registry.ops:
         # torch's grouped GEMM (moe.py): conformance-tested, but it lost to the Triton paths at every batch
         # size (docs/benchmarks.md, "MoE experts kernel alone"), so it ranks below Triton: the fallback where
