@@ -46,6 +46,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_stats(self):
+        """The engine's counters (EngineStats): requests, tokens, prefix-cache hits, preemptions by mode and
+        the KV tiers' swaps and host-tier hits (docs/architecture.md, "KV tiers")."""
+        return self.engine.get_stats()
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either."""

@@ -31,6 +31,7 @@ from pathlib import Path
 from turnout.entrypoints import bench_serve
 from turnout.entrypoints.bench_serve_metrics import json_safe as _clean
 from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args, add_quantization_arg
+from turnout.kv.stats import format_tiers, tier_report
 from turnout.entrypoints.bench_models import (NullTokenizer, bench_tokenizer, config_roots,  # noqa: F401
                                           has_tokenizer_files, random_prompts, resolve_model)
 
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 # Fields every JSON result carries (tests check them; docs/gpu.md explains them).
 COMMON_FIELDS = ("bench", "model", "model_path", "load_format", "dtype", "device", "input_len", "output_len",
                  "enforce_eager", "cuda_graphs", "ops", "engine", "geometry", "ceilings", "machine",
-                 "achieved_GB_s", "achieved_TFLOP_s", "frac_of_copy_bw", "frac_of_gemm")
+                 "achieved_GB_s", "achieved_TFLOP_s", "frac_of_copy_bw", "frac_of_gemm", "kv_tiers")
 LATENCY_FIELDS = COMMON_FIELDS + ("batch_size", "num_iters", "latency_s", "latency_p50_s", "latency_p90_s",
                                   "latencies_s", "prefill_s", "prefill_tok_s", "prefill_TFLOP_s",
                                   "prefill_frac_of_gemm", "decode_step_ms", "decode_step_p50_ms",
@@ -235,6 +236,7 @@ def bench_latency(args, llm, geo) -> dict:
         run_to_completion(eng, random_prompts(B, L, vocab, args.seed + 1000 + w),
                           SamplingParams(max_tokens=min(O, 8), temperature=0.0, ignore_eos=True), f"warmup{w}")
     params = SamplingParams(max_tokens=O, temperature=0.0, ignore_eos=True)
+    before = eng.get_stats()
     latencies, prefills, decode_steps, decode_times = [], [], [], []
     decode_bytes = decode_flops = 0.0
     for it in range(args.num_iters):
@@ -262,7 +264,8 @@ def bench_latency(args, llm, geo) -> dict:
          "decode_step_p90_ms": (_pct(decode_steps, 0.9) or 0) * 1e3 if decode_steps else None,
          "decode_tok_s": _div(B, step_mean), "decode_GB_s": _div(decode_bytes / 1e9, decode_time),
          "decode_TFLOP_s": _div(decode_flops / 1e12, decode_time),
-         "output_tok_s": _div(B * O, statistics.fmean(latencies))}
+         "output_tok_s": _div(B * O, statistics.fmean(latencies)),
+         "kv_tiers": tier_report(eng.get_stats(), before, eng.runner.kv_transfer)}
     r["achieved_GB_s"], r["achieved_TFLOP_s"] = r["decode_GB_s"], r["decode_TFLOP_s"]
     return r
 
@@ -277,7 +280,7 @@ def bench_throughput(args, llm, geo) -> dict:
     warm = min(N, 8)  # compiles the prefill and decode kernels before the clock starts
     run_to_completion(eng, random_prompts(warm, L, vocab, args.seed + 1000),
                       SamplingParams(max_tokens=min(O, 4), temperature=0.0, ignore_eos=True), "warmup")
-    preempt0 = eng.get_stats().num_preemptions_total
+    before = eng.get_stats()
     steps, elapsed = run_to_completion(eng, random_prompts(N, L, vocab, args.seed),
                                        SamplingParams(max_tokens=O, temperature=0.0, ignore_eos=True), "req")
     gen = sum(s.gen_tokens for s in steps)
@@ -293,7 +296,8 @@ def bench_throughput(args, llm, geo) -> dict:
          "prefill_steps_s": sum(s.dt for s in steps if s.is_prefill), "decode_steps_s": dtime,
          "decode_step_ms": _div(dtime * 1e3, len(dsteps)),
          "mean_decode_batch": _div(sum(s.gen_tokens for s in dsteps), len(dsteps)),
-         "num_preemptions": eng.get_stats().num_preemptions_total - preempt0,
+         "num_preemptions": eng.get_stats().num_preemptions_total - before.num_preemptions_total,
+         "kv_tiers": tier_report(eng.get_stats(), before, eng.runner.kv_transfer),
          "achieved_GB_s": total_bytes / 1e9 / elapsed, "achieved_TFLOP_s": flops / 1e12 / elapsed}
     return r
 
@@ -328,6 +332,8 @@ def print_report(result: dict, out=None) -> None:
     c = result["ceilings"]
     print(f"  ceilings: copy {_fmt(c.get('copy_GB_s'))} GB/s, GEMM {_fmt(c.get('gemm_TFLOP_s'))} TFLOP/s "
           f"({c.get('gemm_dtype', '-')})", file=out)
+    if result.get("kv_tiers"):
+        print(f"  kv tiers: {format_tiers(result['kv_tiers'])}", file=out)
     print("JSON " + json.dumps(result), file=out)
 
 
