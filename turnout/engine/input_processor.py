@@ -83,16 +83,20 @@ class InputProcessor:
             raise ValueError("prompt: this model has no tokenizer; give token ids")
         return list(self.tokenizer.encode(prompt))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs) -> list[int]:
+        """``template_kwargs`` go to the tokenizer's apply_chat_template: ``tools``, ``chat_template`` (a
+        template other than the tokenizer's), and variables the template reads (``enable_thinking``)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}]: each message needs 'role' and 'content'")
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or not (template_kwargs.get("chat_template")
+                                          or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError("messages: this model has no chat template")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
+                                                 tokenize=True, **template_kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)

@@ -123,8 +123,9 @@ class LLMEngine:
     def encode(self, prompt: str) -> list[int]:
         return self.input_processor.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+                            ) -> list[int]:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:

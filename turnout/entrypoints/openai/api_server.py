@@ -25,8 +25,10 @@ from turnout.entrypoints.openai import protocol as P
 from turnout.entrypoints.openai.errors import APIError, error_response
 from turnout.entrypoints.openai.http_guard import RequestGuard
 from turnout.entrypoints.openai.metrics import ServerMetrics
+from turnout.entrypoints.openai.serve_options import ServeOptions
 from turnout.entrypoints.openai.serving_chat import create_chat_completion
 from turnout.entrypoints.openai.serving_completions import create_completion
+from turnout.entrypoints.openai.serving_tokenize import add_tokenize_routes
 from turnout.entrypoints.openai.web import register_web_routes
 
 logger = logging.getLogger("turnout.serve")
@@ -43,6 +45,7 @@ class ServerState:
     max_request_bytes: int = 4 << 20
     max_header_count: int = 100
     drain_timeout: float = 30.0
+    options: ServeOptions = field(default_factory=ServeOptions)  # tool calls, reasoning, chat template, logprobs
     on_ready: Callable[["ServerState"], None] | None = None
     on_load_failed: Callable[[BaseException], None] | None = None
     on_engine_dead: Callable[[BaseException], None] | None = None  # the engine thread died (event loop)
@@ -132,7 +135,7 @@ class ServerState:
         if name not in names:
             raise APIError(404, f"The model '{name}' does not exist; this server serves {', '.join(names)}.",
                            param="model", code="model_not_found")
-        return name
+        return names[0]  # aliases answer as the first name, as vLLM's --served-model-name
 
     # ---------------------------------------------------------------- tokenizer (off the event loop)
     async def _tok(self, fn, *args, **kwargs):
@@ -144,10 +147,12 @@ class ServerState:
     async def detokenize(self, ids: list[int]) -> str:
         return await self._tok(self.tokenizer.decode, ids)
 
-    async def chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    async def chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        if self.options.chat_template is not None:  # --chat-template
+            kwargs["chat_template"] = self.options.chat_template
         try:
             ids = await self._tok(self.engine.apply_chat_template, messages,
-                                  add_generation_prompt=add_generation_prompt)
+                                  add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # noqa: BLE001 - a template rejecting the conversation is the client's mistake
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_messages") from None
         return list(ids)
@@ -234,5 +239,6 @@ def build_app(state: ServerState) -> FastAPI:
         return await create_chat_completion(state, request)
 
     register_web_routes(app, state)
+    add_tokenize_routes(app, state)
     app.add_middleware(RequestGuard, state=state, max_header_count=state.max_header_count)
     return app

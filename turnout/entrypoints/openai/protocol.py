@@ -1,7 +1,8 @@
 """OpenAI request and response shapes (pydantic). Requests are strict: "0.5" is not a number here.
 
-Unknown request fields are ignored (clients send `user`, `metadata`, ...); fields we accept but cannot
-honour are rejected by the server with a 400 that names them, never silently dropped.
+Unknown request fields are kept in ``model_extra`` and ignored, with one warning per field name per
+process (vLLM's behaviour; ``serving.parse``); fields we accept but cannot honour are rejected by the
+server with a 400 that names them, never silently dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -69,11 +70,24 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCallIn(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
-    model_config = ConfigDict(extra="allow", strict=True)  # tool_calls, tool_call_id, ... pass through
+    model_config = ConfigDict(extra="allow", strict=True)  # other fields pass through to the chat template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -82,9 +96,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None  # not supported: rejected unless tool_choice == "none"
-    tool_choice: Any = None
+    tools: list[Any] | None = None  # checked by tool_parsers.constrained.check_tools (errors name tools[i])
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = True
     add_generation_prompt: bool | None = True  # vLLM extension
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra variables for the template
 
 
 # ---------------------------------------------------------------------------------------- responses
@@ -148,9 +164,22 @@ class ChatChoiceLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the <think> part
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(_Response):
@@ -174,6 +203,8 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's: index, then id / type / name once, then arguments
 
 
 class ChatCompletionStreamChoice(_Response):
@@ -214,3 +245,32 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's): a ``prompt``, or chat ``messages`` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True  # prompt only
+    add_generation_prompt: bool | None = True  # messages only
+    tools: list[Any] | None = None  # messages only: rendered by the template as in a chat request
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

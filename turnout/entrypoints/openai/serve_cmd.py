@@ -23,12 +23,12 @@ logger = logging.getLogger("turnout.serve")
 
 
 # Argument groups, in --help order; docs/serve.md's flag tables are generated from them (serve_docs.py).
-GROUPS = ("model", "engine", "server", "HTTP limits", "lifecycle")
+GROUPS = ("model", "engine", "server", "API", "HTTP limits", "lifecycle")
 
 
 def add_arguments(p) -> None:
     g = {name: p.add_argument_group(name) for name in GROUPS}
-    m, e, s, h, life = (g[n] for n in GROUPS)
+    m, e, s, api, h, life = (g[n] for n in GROUPS)
     m.add_argument("model", nargs="?", default=None,
                    help="HF model id, local directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     m.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
@@ -37,6 +37,9 @@ def add_arguments(p) -> None:
                    help="name(s) the model answers to in the API; others get 404 (default: MODEL, else the "
                         "model's name)")
     m.add_argument("--tokenizer", default=None, help="a tokenizer other than the model's")
+    m.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines; a model whose config needs its repository's own "
+                        "code is refused at start-up all the same (turnout never runs model code)")
     m.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                    help="how to read the weights")
     m.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
@@ -75,6 +78,25 @@ def add_arguments(p) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TURNOUT_API_KEY)")
     s.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests beyond the free running slots; more get 503 + Retry-After")
+
+    from turnout.entrypoints.openai.reasoning import REASONING_PARSERS
+    from turnout.entrypoints.openai.serve_options import DEFAULT_MAX_LOGPROBS
+    from turnout.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    api.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='serve tool_choice "auto" (the default with tools): the model writes calls in its '
+                          'own syntax, which the tool-call parser below reads; without this flag "auto" is a '
+                          '400 ("required" and named choices need neither: structured output enforces them)')
+    api.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                     help="the model's tool-call syntax (Qwen2.5 / Qwen3 / Hermes: hermes; Llama 3.x: "
+                          "llama3_json; Mistral: mistral)")
+    api.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                     help="split <think> ... </think> off into message.reasoning_content (and "
+                          "delta.reasoning_content when streaming)")
+    api.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                     help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    api.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+                     help="the most logprobs / top_logprobs a request may ask for (more: 400)")
 
     h.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413")
     h.add_argument("--max-connections", type=int, default=None,
@@ -128,6 +150,15 @@ def build_config(args):
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
 
 
+def serve_options(args):
+    """The API group's flags, checked (a ValueError naming the flag); the chat template file is read now."""
+    from turnout.entrypoints.openai.serve_options import ServeOptions, load_chat_template
+
+    return ServeOptions(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser, chat_template=load_chat_template(args.chat_template),
+                        max_logprobs=args.max_logprobs)
+
+
 def bind_socket(host: str, port: int):
     """Listen on host:port now, before the model loads (seconds to minutes), so a port in use is an
     error at once that names the address, not a crash after loading."""
@@ -170,6 +201,7 @@ def run(args) -> int:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     config = build_config(args)  # ValueError naming the field, before anything starts
+    options = serve_options(args)
     sock = bind_socket(args.host, args.port)  # before any heavy import or the model: fail in milliseconds
     port = sock.getsockname()[1]  # the one bound, also for --port 0
 
@@ -180,7 +212,9 @@ def run(args) -> int:
 
     def make_engine():
         from turnout.engine.llm_engine import LLMEngine
+        from turnout.entrypoints.openai.serve_options import refuse_remote_code
 
+        refuse_remote_code(config.model, args.trust_remote_code)
         return LLMEngine.from_config(config)
 
     server: _DrainingServer | None = None
@@ -211,7 +245,7 @@ def run(args) -> int:
     state = ServerState(engine_factory=make_engine, served_model_names=names,
                         api_key=args.api_key or None, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
                         max_request_bytes=args.max_request_bytes, max_header_count=args.h11_max_header_count,
-                        drain_timeout=args.drain_timeout,
+                        drain_timeout=args.drain_timeout, options=options,
                         on_ready=on_ready, on_load_failed=on_load_failed, on_engine_dead=on_engine_dead)
     app = build_app(state)
     protocol = guarded_h11_protocol(args.timeout_header, args.timeout_body, args.timeout_write, max_connections)

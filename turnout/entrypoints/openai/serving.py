@@ -30,11 +30,31 @@ MAX_CHOICES_PER_REQUEST = 128
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+_warned_fields: set[str] = set()
+
+
 def parse(model: type[pydantic.BaseModel], body: bytes):
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except pydantic.ValidationError as e:
         raise from_validation_error(e) from None
+    _warn_unknown(req)
+    return req
+
+
+def _warn_unknown(req: pydantic.BaseModel) -> None:
+    """Fields the server does not know are ignored, as vLLM does, but never silently: one warning per
+    field name per process (a client sending it on every request logs it once). Message fields pass
+    through to the chat template and are not unknown."""
+    extra = dict(req.model_extra or {})
+    so = getattr(req, "stream_options", None)
+    if isinstance(so, pydantic.BaseModel):
+        extra.update({f"stream_options.{k}": v for k, v in (so.model_extra or {}).items()})
+    for name in extra:
+        if name not in _warned_fields and len(_warned_fields) < 1000:  # a bound: names are the client's
+            _warned_fields.add(name)
+            logger.warning("%s: the request field %r is not known to this server and is ignored (warned once)",
+                           type(req).__name__, name[:100])
 
 
 @dataclasses.dataclass
@@ -43,14 +63,18 @@ class Prompt:
     text: str | None = None  # for echo
 
 
-async def _structured_outputs(state, req):
-    """The request's structured-output constraint (response_format, structured_outputs, guided_*), compiled
-    off the event loop so admission finds it cached; None when it asks for none. A bad spec is a 400
-    naming the request field (``param``)."""
+async def _structured_outputs(state, req, tools_constraint=None):
+    """The request's structured-output constraint (response_format, structured_outputs, guided_*, or the
+    one ``tool_choice`` "required" / named makes), compiled off the event loop so admission finds it
+    cached; None when it asks for none. A bad spec is a 400 naming the request field (``param``)."""
     from turnout.structured import StructuredOutputsError, from_request
 
     try:
         so = from_request(req)
+        if so is not None and tools_constraint is not None:
+            raise StructuredOutputsError("tool_choice", "a required or named tool call cannot be combined with "
+                                                        "another structured-output constraint")
+        so = so if so is not None else tools_constraint
         if so is None:
             return None
         ip = getattr(state.engine, "input_processor", None)  # the real engine (a fake one has none)
@@ -96,11 +120,23 @@ def _fit_context(params: SamplingParams, prompt_len: int, max_model_len: int, ma
     return params
 
 
-def _common_checks(req) -> None:
+def _common_checks(req, state=None) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    if state is not None:
+        check_max_logprobs(req, state.options.max_logprobs)
+
+
+def check_max_logprobs(req, max_logprobs: int) -> None:
+    """``--max-logprobs``: any logprob count (``logprobs`` on completions, ``top_logprobs`` on chat,
+    ``prompt_logprobs``) above it is a 400 naming the field."""
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        v = getattr(req, name, None)
+        if type(v) is int and v > max_logprobs:
+            raise bad_request(f"{name}: at most {max_logprobs} (--max-logprobs), got {v}", param=name,
+                              code="invalid_value")
 
 
 async def _admit(state, items) -> list[RequestStream]:
@@ -117,6 +153,8 @@ async def _admit(state, items) -> list[RequestStream]:
     except EngineDeadError as e:
         raise APIError(503, f"The engine is not available: {e}", type="service_unavailable",
                        code="engine_dead") from None
+        raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable",
+                       headers={"Retry-After": "1"}) from None
     except ValueError as e:
         if getattr(e, "prompt_len", None) is not None:  # the engine's ContextLengthError
             raise APIError(400, f"This model's maximum context length is {e.max_model_len} tokens, but the "

@@ -1,13 +1,15 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions (tool calls and reasoning: chat_tools.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from turnout.entrypoints.openai import protocol as P
+from turnout.entrypoints.openai.chat_tools import ChoiceParser, plan_tools, reasoning_parser, template_messages
 from turnout.entrypoints.openai.errors import bad_request
 from turnout.entrypoints.openai.serving import (SSE_HEADERS, Prompt, _admit, _common_checks, _Delta, _engine_error,
                                                 _structured_outputs,
@@ -17,24 +19,31 @@ from turnout.entrypoints.openai.serving import (SSE_HEADERS, Prompt, _admit, _co
 logger = logging.getLogger(__name__)
 
 
-def _messages(req: P.ChatCompletionRequest) -> list[dict]:
-    if not req.messages:
+def _messages(messages: list[P.ChatMessage] | None) -> list[dict]:
+    """The conversation as the chat template takes it (content parts joined, tool-call arguments as
+    objects); shared with /tokenize."""
+    if not messages:
         raise bad_request("messages: must contain at least one message", param="messages", code="empty_messages")
     out = []
-    for m in req.messages:
+    for m in messages:
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             d["content"] = "\n".join(part.text for part in m.content)
         elif m.content is None:
             d["content"] = ""
         out.append(d)
-    return out
+    return template_messages(out)
 
 
-def _checks(req: P.ChatCompletionRequest) -> None:
-    _common_checks(req)
-    if req.tools and req.tool_choice != "none":
-        raise bad_request("tools (function calling) is not supported", param="tools", code="unsupported")
+def _template_kwargs(req, tools) -> dict:
+    kw = dict(req.chat_template_kwargs or {})
+    if tools:
+        kw["tools"] = tools
+    return kw
+
+
+def _checks(state, req: P.ChatCompletionRequest) -> None:
+    _common_checks(req, state)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
 
@@ -42,29 +51,39 @@ def _checks(req: P.ChatCompletionRequest) -> None:
 async def create_chat_completion(state, request: Request):
     req = parse(P.ChatCompletionRequest, await request.body())
     model_name = state.check_model(req.model)
-    _checks(req)
-    messages = _messages(req)
+    _checks(state, req)
+    messages = _messages(req.messages)
+    plan = plan_tools(req, state.options)
     state.require_ready()
     max_tokens, mt_name = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         max_tokens, mt_name = req.max_completion_tokens, "max_completion_tokens"
     k = (req.top_logprobs or 0) if req.logprobs else None
+    so = await _structured_outputs(state, req, plan.constraint)
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=k,
-                              rename={"max_tokens": mt_name, "logprobs": "top_logprobs"},
-                              structured_outputs=await _structured_outputs(state, req))
-    ids = await state.chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False)
+                              rename={"max_tokens": mt_name, "logprobs": "top_logprobs"}, structured_outputs=so)
+    if plan.keep_special_tokens and "skip_special_tokens" not in req.model_fields_set:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    ids = await state.chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
+                                    **_template_kwargs(req, plan.template_tools))
     params = _fit_context(params, len(ids), state.max_model_len, mt_name, "messages")
+    tail = await state.detokenize(ids[-8:]) if state.options.reasoning_parser else ""
+    rp = reasoning_parser(state.options, tail, plan, structured=so is not None)
     base = _new_id("chatcmpl")
     streams = await _admit(state, [(base, ids, params)])
     ex = _Exchange(state, request, streams)
     if req.stream:
-        return StreamingResponse(_stream(state, req, ex, Prompt(ids), params, base, model_name),
+        return StreamingResponse(_stream(state, req, ex, Prompt(ids), params, base, model_name,
+                                         lambda: ChoiceParser(rp, plan)),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": base})
     (out,) = await ex.final_outputs()
-    choices = [P.ChatCompletionChoice(
-        index=o.index, message=P.ChatResponseMessage(content=o.text),
-        logprobs=chat_logprobs(state, o.token_ids, o.logprobs, 0, k) if k is not None else None,
-        finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
+    choices = []
+    for o in out.outputs:
+        msg, finish_reason = ChoiceParser(rp, plan).complete(o.text, o.finish_reason)
+        choices.append(P.ChatCompletionChoice(
+            index=o.index, message=P.ChatResponseMessage(**msg),
+            logprobs=chat_logprobs(state, o.token_ids, o.logprobs, 0, k) if k is not None else None,
+            finish_reason=finish_reason, stop_reason=o.stop_reason))
     resp = P.ChatCompletionResponse(id=base, model=model_name, choices=choices,
                                     usage=_usage(len(ids), sum(len(o.token_ids) for o in out.outputs)))
     return JSONResponse(resp.model_dump(), headers={"X-Request-Id": base})
@@ -77,10 +96,11 @@ def _chunk(base, created, model_name, choices, usage=None) -> dict:
     return d
 
 
-async def _stream(state, req, ex: _Exchange, prompt: Prompt, params, base, model_name):
+async def _stream(state, req, ex: _Exchange, prompt: Prompt, params, base, model_name, new_parser):
     k = params.logprobs
     created = _now()
     deltas = {i: _Delta(_holdback(params)) for i in range(params.n)}
+    parsers = {i: new_parser() for i in range(params.n)}
     completion_tokens = {}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
@@ -96,11 +116,15 @@ async def _stream(state, req, ex: _Exchange, prompt: Prompt, params, base, model
                 text, ids, first = d.step(o)
                 completion_tokens[o.index] = len(o.token_ids)
                 lp = chat_logprobs(state, ids, o.logprobs, first, k) if k is not None and ids else None
-                if not text and lp is None and not d.done:
+                parser = parsers.setdefault(o.index, new_parser())
+                if d.done:
+                    fields, finish_reason = parser.finish(text, o.finish_reason)
+                else:
+                    fields, finish_reason = parser.feed(text), None
+                if not fields and lp is None and not d.done:
                     continue
                 choices.append(P.ChatCompletionStreamChoice(
-                    index=o.index, delta=P.DeltaMessage(content=text or None), logprobs=lp,
-                    finish_reason=o.finish_reason if d.done else None,
+                    index=o.index, delta=P.DeltaMessage(**fields), logprobs=lp, finish_reason=finish_reason,
                     stop_reason=o.stop_reason if d.done else None))
             if choices:
                 yield sse(_chunk(base, created, model_name, choices))

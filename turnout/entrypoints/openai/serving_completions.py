@@ -57,7 +57,7 @@ async def _prompts(state, req: P.CompletionRequest) -> list[Prompt]:
 async def create_completion(state, request: Request):
     req = parse(P.CompletionRequest, await request.body())
     model_name = state.check_model(req.model)
-    _common_checks(req)
+    _common_checks(req, state)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != (req.n or 1):
