@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from turnout.engine.async_rl import AsyncRolloutMixin
 from turnout.engine.llm_engine import EngineStats
 from turnout.engine.outputs import RequestOutput
 from turnout.engine.sampling_params import SamplingParams
@@ -35,6 +36,11 @@ class EngineDeadError(RuntimeError):
 
 class EngineDraining(RuntimeError):
     """The server is shutting down and accepts no new requests."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is asleep or its generation is paused (the RL control plane): retry after wake_up /
+    resume. Nothing of the request was admitted."""
 
 
 class EngineObserver:
@@ -112,7 +118,10 @@ class _Tracked:
     outputs: dict | None = None  # completion index -> CompletionOutput (merged across steps)
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(AsyncRolloutMixin):
+    """The server's engine: one thread steps it; the RL control plane (pause / resume, sleep / wake, weight
+    updates) runs as commands on that thread between steps (turnout/engine/async_rl.py)."""
+
     def __init__(self, engine, *, max_queue: int = 1024, max_num_seqs: int = 256,
                  observer: EngineObserver | None = None, idle_poll_s: float = 0.5,
                  on_dead: Callable[[BaseException], None] | None = None):
@@ -133,6 +142,7 @@ class AsyncLLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.unavailable: str | None = None  # why admission is refused now (asleep / paused), set on the engine thread
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "AsyncLLMEngine":
@@ -186,6 +196,8 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine has failed: {self.dead}")
         if self.draining:
             raise EngineDraining("the server is shutting down")
+        if self.unavailable is not None:
+            raise EngineUnavailable(self.unavailable)
         assert self._loop is not None, "AsyncLLMEngine.start() was not called"
         now = time.monotonic()
         with self._lock:
@@ -254,12 +266,14 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        rl = getattr(engine, "rl", None)  # the RL control plane (an engine without one never pauses)
         try:
             while not self._stop:
-                busy = engine.has_unfinished_requests()
+                # paused with mode "keep": the requests wait, the thread waits for commands (no spinning)
+                busy = engine.has_unfinished_requests() and (rl is None or rl.paused is None)
                 added, aborted = self._apply_commands(block=not busy)
                 self._publish_stats(added, aborted)  # before the step: a step may take a while
-                if engine.has_unfinished_requests():
+                if engine.has_unfinished_requests() and (rl is None or rl.paused is None):
                     self._deliver(engine.step())
                     self._publish_stats(0, 0)
             self._publish_stats(*self._apply_commands(block=False))  # aborts queued by shutdown()
@@ -285,6 +299,8 @@ class AsyncLLMEngine:
                 if not live:  # aborted before it reached the engine
                     continue
                 try:
+                    if self.unavailable is not None:  # paused or put to sleep after the caller's check
+                        raise EngineUnavailable(self.unavailable)
                     self.engine.add_request(rid, prompt, params, arrival_time=time.time())
                 except Exception as e:  # noqa: BLE001 - a bad request must not kill the engine
                     with self._lock:
@@ -300,6 +316,16 @@ class AsyncLLMEngine:
                     pass
                 aborted += 1
                 self.observer.on_finished(time.monotonic() - t.arrival, "abort")
+            elif cmd[0] == "call":  # the RL control plane: between two steps, on this thread
+                _, fn, fut = cmd
+                try:
+                    result = fn()
+                except Exception as e:  # noqa: BLE001 - the caller's error (a bad path, asleep, ...)
+                    self._call_soon(_settle, fut, None, e)
+                else:
+                    self._call_soon(_settle, fut, result, None)
+                finally:
+                    self.unavailable = _unavailable(getattr(self.engine, "rl", None))
         return added, aborted
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -358,3 +384,22 @@ class AsyncLLMEngine:
             pass
         if self.on_dead is not None:
             self._call_soon(self.on_dead, exc)
+
+
+def _settle(fut: asyncio.Future, result, exc: BaseException | None) -> None:
+    if not fut.done():
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+
+def _unavailable(rl) -> str | None:
+    """Why a new request cannot be admitted now (RolloutControl's state), or None."""
+    if rl is None:
+        return None
+    try:
+        rl.check_can_admit()
+    except RuntimeError as e:
+        return str(e)
+    return None

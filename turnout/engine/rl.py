@@ -143,7 +143,10 @@ class RolloutControl:
                                "wake_up(tags=['weights']) first")
         if not isinstance(path, str) or not path:
             raise ValueError(f"path: a checkpoint directory, got {path!r}")
-        files = safetensors_files(path)  # ValueError naming the directory when it holds no checkpoint
+        try:
+            files = safetensors_files(path)
+        except ValueError as e:  # the directory holds no checkpoint
+            raise ValueError(f"path: {e}") from None
         self.engine.runner.memory.check_weights(rank_memory.checkpoint_headers(files))
         written = self._rpc(rank_memory.update_weights_from_disk_rank, [str(f) for f in files])[0]
         self.reset_prefix_cache()

@@ -29,6 +29,7 @@ from turnout.entrypoints.openai.serve_options import ServeOptions
 from turnout.entrypoints.openai.serving_chat import create_chat_completion
 from turnout.entrypoints.openai.serving_completions import create_completion
 from turnout.entrypoints.openai.serving_tokenize import add_tokenize_routes
+from turnout.entrypoints.openai.rl_routes import register_rl_routes
 from turnout.entrypoints.openai.web import register_web_routes
 
 logger = logging.getLogger("turnout.serve")
@@ -40,6 +41,7 @@ class ServerState:
     engine: object | None = None  # an already-built LLMEngine (tests)
     served_model_names: list[str] | None = None
     api_key: str | None = None
+    enable_rl_endpoints: bool = False  # /sleep, /wake_up, /pause, ... (rl_routes.py)
     max_queue: int = 1024
     max_num_seqs: int = 256
     max_request_bytes: int = 4 << 20
@@ -239,6 +241,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await create_chat_completion(state, request)
 
     register_web_routes(app, state)
+    register_rl_routes(app, state)  # --enable-rl-endpoints (rl_routes.py)
     add_tokenize_routes(app, state)
     app.add_middleware(RequestGuard, state=state, max_header_count=state.max_header_count)
     return app

@@ -22,12 +22,13 @@ import json
 import logging
 
 from turnout.entrypoints.openai.errors import error_response
+from turnout.entrypoints.openai.rl_routes import RL_PATHS  # the RL endpoints need the key too
 
 logger = logging.getLogger("turnout.serve")
 
 _DRAIN_FACTOR = 16  # bodies up to 16x the limit are read away before the 413; larger ones are cut off
 _JSON = b"application/json"
-KEYED_PATHS = frozenset({"/ops"})  # data endpoints outside /v1 that need the API key too (web.py's op table)
+KEYED_PATHS = frozenset({"/ops"}) | RL_PATHS  # data endpoints outside /v1 that need the API key too (web.py's op table)
 
 
 def _error_body(message: str, type: str, code: str) -> bytes:

@@ -74,6 +74,7 @@ def add_arguments(p) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000,
                    help="port to listen on; bound before the model loads, so a port in use fails at once")
+    s.add_argument("--enable-rl-endpoints", action="store_true", help="serve the RL control endpoints (/sleep, /wake_up, /pause, /resume, /update_weights_from_disk, ...; docs/architecture.md)")
     s.add_argument("--api-key", default=envs.get().api_key,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TURNOUT_API_KEY)")
     s.add_argument("--max-queue", type=int, default=1024,
@@ -243,7 +244,7 @@ def run(args) -> int:
     # As vLLM: the API name is --served-model-name, else the MODEL argument, else the engine's display name.
     names = args.served_model_name or ([config.model] if config.model else None)
     state = ServerState(engine_factory=make_engine, served_model_names=names,
-                        api_key=args.api_key or None, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
+                        api_key=args.api_key or None, enable_rl_endpoints=args.enable_rl_endpoints, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
                         max_request_bytes=args.max_request_bytes, max_header_count=args.h11_max_header_count,
                         drain_timeout=args.drain_timeout, options=options,
                         on_ready=on_ready, on_load_failed=on_load_failed, on_engine_dead=on_engine_dead)

@@ -18,7 +18,7 @@ import uuid
 import pydantic
 from fastapi import Request
 
-from turnout.engine.async_engine import EngineDeadError, EngineDraining, QueueFull, RequestStream
+from turnout.engine.async_engine import EngineDeadError, EngineDraining, EngineUnavailable, QueueFull, RequestStream
 from turnout.engine.sampling_params import SamplingParams
 from turnout.entrypoints.openai import protocol as P
 from turnout.entrypoints.openai.errors import APIError, bad_request, from_validation_error, from_value_error
@@ -153,6 +153,9 @@ async def _admit(state, items) -> list[RequestStream]:
     except EngineDeadError as e:
         raise APIError(503, f"The engine is not available: {e}", type="service_unavailable",
                        code="engine_dead") from None
+    except EngineUnavailable as e:  # asleep or paused (the RL endpoints)
+        raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable",
+                       headers={"Retry-After": "1"}) from None
         raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable",
                        headers={"Retry-After": "1"}) from None
     except ValueError as e:
