@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 
 from common import report
@@ -59,6 +60,17 @@ def engine_rows(llm, batch: int, steps: int, reps: int) -> list[dict]:
                 took = _timed(llm, prompt, ps, steps) - first
             best[name] = min(best[name], took)
             spent[name] = min(spent[name], clock[0])
+    if os.environ.get("SO_PROFILE"):  # where the host's time goes with every lane constrained (cProfile)
+        import cProfile
+        import pstats
+
+        for name, sos in (modes[0], modes[2]):
+            prof = cProfile.Profile()
+            prof.enable()
+            _timed(llm, prompt, [params(so, i) for i, so in enumerate(sos)], steps)
+            prof.disable()
+            print(f"== profile: {name}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(int(os.environ["SO_PROFILE"]))
     rows, base = [], best[modes[0][0]] / (steps - 1) * 1e3
     for name, _ in modes:
         ms = best[name] / (steps - 1) * 1e3

@@ -282,14 +282,14 @@ class EngineCore:
             if result.top_ids is not None:
                 top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
         sampled = []
+        accepted = _accept_grammar_tokens(step.lanes, tokens)
         for lane, (seq, tok) in enumerate(zip(step.lanes, tokens)):
             if seq.status.is_finished:  # aborted or failed, or ended while a lookahead ran
                 continue
             if seq.grammar is not None:
-                try:
-                    if not seq.grammar.accept_token(tok):
-                        raise ValueError(f"token {tok} is not allowed by the grammar")
-                except Exception as e:  # noqa: BLE001 - its grammar is the request's own
+                ok = accepted[lane]
+                if ok is not True:  # its grammar is the request's own: it fails alone
+                    e = ok if isinstance(ok, BaseException) else ValueError(f"token {tok} is not allowed by the grammar")
                     self.fail(seq.request_id, _message("grammar", e))
                     continue
             seq.append_token(tok)
@@ -300,6 +300,17 @@ class EngineCore:
                     st.top = list(zip(top_ids[lane], top_lps[lane]))
             sampled.append(st)
         return sampled
+
+
+def _accept_grammar_tokens(lanes: list[Sequence], tokens: list[int]) -> dict:
+    """lane -> True, False (refused) or the exception, for the live lanes with a grammar: one batch call
+    (turnout/structured/matcher.py accept_batch)."""
+    idx = [i for i, seq in enumerate(lanes) if seq.grammar is not None and not seq.status.is_finished]
+    if not idx:
+        return {}
+    from turnout.structured.matcher import accept_batch
+
+    return dict(zip(idx, accept_batch([(lanes[i].grammar, tokens[i]) for i in idx])))
 
 
 def _without_finished(out: SchedulerOutput) -> SchedulerOutput:

@@ -244,7 +244,7 @@ class ModelRunner:
         for i, seq in enumerate(lanes):  # per-request stages on the logits (never in a lookahead step)
             if seq.params.logits_processors:
                 b.processors.append((i, list(seq.params.logits_processors), list(seq.output_token_ids)))
-            if seq.grammar is not None and not seq.status.is_finished:  # (a deferred lookahead's lane may have ended)
+            if seq.grammar is not None:
                 b.grammars.append((i, seq.grammar))
         if any(p.has_penalties for p in ps):
             if pending:
@@ -320,14 +320,14 @@ class ModelRunner:
             if not lanes:
                 return None
             logits = logits.index_select(0, self._h2d(sample_at, torch.long))
+        # a deferred step's inputs too are built now, with its pending token counted, behind the forward:
+        # they are what they would be once that token is appended
+        batch, faults = self._sampling_inputs(lanes, lane_rows, eos_ids, want_logprobs, int(pending))
         if defer_sample:
-            return lambda: self._sample(logits, lanes, lane_rows, eos_ids, want_logprobs, 0)
-        return self._sample(logits, lanes, lane_rows, eos_ids, want_logprobs, int(pending))
+            return lambda: self._draw(logits, batch, faults, lanes)
+        return self._draw(logits, batch, faults)
 
-    @torch.inference_mode()
-    def _sample(self, logits, lanes, lane_rows, eos_ids, want_logprobs: int, pending: int):
-        """Sample a step's logits. ``pending``: tokens drawn but not yet appended to the lanes (1 in a
-        lookahead step; 0 when its sampling was deferred until they were)."""
+    def _sampling_inputs(self, lanes, lane_rows, eos_ids, want_logprobs: int, pending: int):
         if self._upload is None:
             batch, faults = self.build_sampling(lanes, lane_rows, eos_ids, want_logprobs, pending=pending)
         else:  # queued behind the forward's own input copies, the sampling inputs' copies overlap the forward
@@ -339,8 +339,18 @@ class ModelRunner:
                 t = getattr(batch, f.name)
                 if isinstance(t, torch.Tensor):
                     t.record_stream(main)
+        return batch, faults
+
+    @torch.inference_mode()
+    def _draw(self, logits, batch, faults, lanes=None):
+        """Sample a step's logits. ``lanes``: a deferred lookahead's, whose grammar rows of the lanes that
+        ended since it was launched are dropped (their tokens are discarded; their states may be done)."""
         if batch is None:  # every lane failed
             return SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device), faults=faults)
+        if lanes is not None and batch.grammars:
+            ended = {s.seq_id for s in lanes if s.status.is_finished}
+            if ended:
+                batch.grammars = [(i, g) for i, g in batch.grammars if batch.seq_ids[i] not in ended]
         out = sample(self.ops, logits, batch, self._grammar_stage() if batch.grammars else None)
         out.faults.update(faults)
         return out
