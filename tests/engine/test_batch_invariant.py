@@ -112,3 +112,18 @@ def test_bad_combinations_name_the_field(checkpoint):
     # a policy that leaves an op only untagged implementations: a start-up error naming op and platform
     with pytest.raises(OpUnavailableError, match=r"op 'linear' on platform cpu .*not batch-invariant"):
         LLM(model=checkpoint, batch_invariant=True, ops_policy="linear=reference.torch", **KW)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_batch_invariant_on_the_gpu_with_cuda_graphs(checkpoint, dtype):
+    """The same checks on a GPU: the Triton batch-invariant kernels, CUDA graphs captured (padded decode
+    batches) and async scheduling on, in bfloat16."""
+    target, others = _prompts()
+    kw = dict(KW, device="cuda", enforce_eager=False)
+    llm_off = LLM(model=checkpoint, dtype=dtype, batch_invariant=True, max_num_batched_tokens=4096, **kw)
+    llm_on = LLM(model=checkpoint, dtype=dtype, batch_invariant=True, max_num_batched_tokens=16, **kw)
+    chosen = {op: llm_off.engine.ops.chosen(op) for op in ("linear", "paged_attention", "moe_experts", "rms_norm")}
+    assert all(c == "triton.batch_invariant" for c in chosen.values()), chosen
+    assert llm_off.engine.runner.graphs is not None
+    _check_invariant(llm_off, llm_on, target, others, f"{checkpoint.rsplit('/', 1)[-1]} {dtype} cuda")

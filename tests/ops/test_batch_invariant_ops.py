@@ -238,3 +238,19 @@ def test_default_implementations_for_contrast():
         diffs = {n: (run(fn, _subset(args, rows, torch.tensor(idx, device=DEV)))[0][where] - alone).abs().max().item()
                  for n, where, idx in _batches(op) if where == 0}
         print(f"default {op} ({res.chosen}): row alone vs row 0 of a batch of n, max |diff| by n: {diffs}")
+
+
+def test_invariant_policy_clause():
+    from turnout.ops import OpUnavailableError, PolicyError, resolve
+
+    pol = Policy.parse("invariant=linear,rms_norm")
+    assert pol.invariant == {"linear", "rms_norm"} and not pol.batch_invariant
+    assert Policy.parse("invariant=all").batch_invariant and "invariant=all" in Policy.parse("invariant=all").describe()
+    table = resolve(PLATFORM, Policy.parse("invariant=linear"), ops=["linear", "rms_norm"])
+    assert REG.get_impl("linear", table.chosen("linear")).batch_invariant
+    with pytest.raises(PolicyError, match="op names"):
+        Policy.parse("invariant=reference.torch")
+    with pytest.raises(PolicyError, match="unknown op 'nosuch'"):
+        resolve(PLATFORM, Policy.parse("invariant=nosuch"), ops=["linear"])
+    with pytest.raises(OpUnavailableError, match=r"op 'rms_norm' on platform .*not batch-invariant"):
+        resolve(PLATFORM, Policy.parse("invariant=rms_norm;rms_norm=reference.torch"), ops=["rms_norm"])
