@@ -189,6 +189,7 @@ def plot(results, summary: dict, t0: float, path: str, title: str) -> None:
     ax = axes.flat[5]
     ax.step(tl["t_s"], tl["running"], where="mid")
     ax.set_title("Requests in flight")
+    ax.set_ylim(0, max(tl["running"], default=0) + 1)
     ax.set_xlabel("s since the first request")
     ax.set_ylabel("requests")
     ax.grid(alpha=0.3)
