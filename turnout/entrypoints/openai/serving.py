@@ -156,8 +156,6 @@ async def _admit(state, items) -> list[RequestStream]:
     except EngineUnavailable as e:  # asleep or paused (the RL endpoints)
         raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable",
                        headers={"Retry-After": "1"}) from None
-        raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable",
-                       headers={"Retry-After": "1"}) from None
     except ValueError as e:
         if getattr(e, "prompt_len", None) is not None:  # the engine's ContextLengthError
             raise APIError(400, f"This model's maximum context length is {e.max_model_len} tokens, but the "
