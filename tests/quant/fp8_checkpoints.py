@@ -117,13 +117,16 @@ def forward_logits(model, config, ids: torch.Tensor) -> torch.Tensor:
     nb = math.ceil(n / BLOCK)
     hk, d = config.num_key_value_heads, config.head_dim
     dtype = next(p for p in model.parameters() if p.dtype.is_floating_point and p.dtype != FP8).dtype
-    caches = [(torch.zeros(nb, BLOCK, hk, d, dtype=dtype), torch.zeros(nb, BLOCK, hk, d, dtype=dtype))
-              for _ in range(config.num_hidden_layers)]
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange(nb, dtype=torch.int32)[None],
-                             seq_lens=torch.tensor([n], dtype=torch.int32),
-                             query_start_loc=torch.tensor([0, n], dtype=torch.int32), max_query_len=n, max_seq_len=n)
+    dev = ids.device
+    caches = [(torch.zeros(nb, BLOCK, hk, d, dtype=dtype, device=dev),
+               torch.zeros(nb, BLOCK, hk, d, dtype=dtype, device=dev)) for _ in range(config.num_hidden_layers)]
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev),
+                             block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
+                             seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev), max_query_len=n,
+                             max_seq_len=n)
     with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(n), caches, meta))
+        return model.compute_logits(model(ids, torch.arange(n, device=dev), caches, meta))
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
