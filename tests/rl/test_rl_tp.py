@@ -30,6 +30,9 @@ def test_tp2_update_sleep_wake(tmp_path):
                 p.add_(0.05 * torch.randn_like(p))
         llm.update_weights(hf.named_parameters())  # full tensors; each rank takes its shard
         print(f"\nTP=2 after push: logprob mismatch {_check_matches_hf(llm, hf):.2e}")
+        # computed from scratch, as after a wake (which forgets the prefix cache): a prefix hit computes the
+        # rest of a prompt in other shapes, and a CPU GEMM may round those differently in the last bits
+        llm.reset_prefix_cache()
         before = llm.generate_tokens(PROMPTS, GREEDY)
         with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight"):
             llm.update_weights([("model.norm.weight", hf.model.norm.weight * 2),
