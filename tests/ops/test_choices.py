@@ -199,10 +199,11 @@ def test_tuning_variable_is_named_beside_the_default(registry, monkeypatch):
 
 def test_vendor_cuda_moe_ranks_below_triton(registry):
     order = lambda text: [c.impl for c in resolve_op("moe_experts", registry, GPU, Policy.parse(text)).candidates]
-    assert order("") == ["triton.default", "vendor.cuda", "reference.torch"]
-    assert order("prefer=vendor") == ["triton.default", "vendor.cuda", "reference.torch"]
+    # (then the batch-invariant implementations, last outside batch-invariant mode)
+    assert order("")[:3] == ["triton.default", "vendor.cuda", "reference.torch"]
+    assert order("prefer=vendor")[:3] == ["triton.default", "vendor.cuda", "reference.torch"]
     assert order("deny=triton")[:2] == ["vendor.cuda", "reference.torch"]  # the next best where Triton is not
-    assert order("moe_experts=vendor.cuda|triton") == ["vendor.cuda", "triton.default", "reference.torch"]
+    assert order("moe_experts=vendor.cuda|triton")[:3] == ["vendor.cuda", "triton.default", "triton.batch_invariant"]
     assert [c.impl for c in resolve_op("rms_norm", registry, GPU, Policy()).candidates][0] == "vendor.cuda"
     cand = resolve_op("moe_experts", registry, GPU, Policy()).candidate("vendor.cuda")
     if not torch.cuda.is_available():
@@ -218,7 +219,9 @@ def test_where_lists_spec_implementations_and_tests(registry):
     assert info["spec"]["file"] == "turnout/ops/reference/moe.py" and info["spec"]["line"] > 0
     files = {i["impl"]: i["file"] for i in info["implementations"]}
     assert files == {"reference.torch": "turnout/ops/reference/moe.py", "triton.default": "turnout/ops/triton/moe.py",
-                     "vendor.cuda": "turnout/ops/vendors/cuda/moe.py"}
+                     "vendor.cuda": "turnout/ops/vendors/cuda/moe.py",
+                     "reference.batch_invariant": "turnout/ops/reference/batch_invariant.py",
+                     "triton.batch_invariant": "turnout/ops/triton/batch_invariant.py"}
     assert {"tests/moe/test_moe_decode.py", "tests/ops/test_conformance.py", "tests/ops/test_choices.py"} <= \
         set(info["tests"])
     for path in [info["spec"]["file"], *files.values(), *info["tests"]]:

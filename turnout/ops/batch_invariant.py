@@ -51,11 +51,13 @@ def _triton_check(platform):
 
 
 def register(view) -> None:
-    """Built-in batch-invariant implementations. Ranked below every other of their family (priority), so
-    that outside the mode nothing changes: the default order picks what it picked before."""
+    """Built-in batch-invariant implementations. Outside the mode nothing changes: they rank below every other
+    implementation of their family (priority), and the Triton ones below the reference too (``below``, which
+    the dispatch ignores for an op under ``invariant=``), so the default order picks what it picked before."""
     for op in INVARIANT_OPS:
         view.add_impl(Impl(op=op, id="reference.batch_invariant", target=f"{_REF}:{op}", priority=-2000,
                            batch_invariant=True))
     for op, target in TRITON_TARGETS.items():
         view.add_impl(Impl(op=op, id="triton.batch_invariant", target=target,
-                           platforms=(TRITON_PLATFORMS,), priority=-2000, check=_triton_check, batch_invariant=True))
+                           platforms=(TRITON_PLATFORMS,), priority=-2000, check=_triton_check, below=("reference",),
+                           batch_invariant=True))

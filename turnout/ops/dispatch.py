@@ -95,8 +95,13 @@ def _order(op: str, impls: list[Impl], platform, policy: Policy) -> tuple[list[I
         families = policy.family_order(platform)
         rank = {f: n for n, f in enumerate(families)}
 
+        # ``below`` is a default-mode ranking; under ``invariant=`` for this op only tagged implementations
+        # compete, in family order (the Triton batch-invariant kernels rank below the reference otherwise)
+        below_ok = op not in policy.invariant
+
         def place(i: Impl) -> float:  # its family's place, or just after the families it ranks below
-            return max([rank.get(i.family, len(rank))] + [rank.get(f, len(rank)) + 0.5 for f in i.below])
+            return max([rank.get(i.family, len(rank))] +
+                       [rank.get(f, len(rank)) + 0.5 for f in i.below if below_ok])
 
         ordered = sorted(impls, key=lambda i: (place(i), -i.priority, i.id))
         # An implementation for another platform is no candidate here (so strict mode is about the
