@@ -21,6 +21,7 @@ from turnout.entrypoints.openai.serve_options import ServeOptions, load_chat_tem
 # how to close its reasoning, so that greedy decoding gives both reasoning_content and content.
 TEMPLATE = """{%- set shots = [["What is 1+1?", "One plus one is two.", "The answer is 2."],
                      ["What is 3+3?", "Three plus three is six.", "The answer is 6."]] %}
+{%- if no_shots %}{% set shots = [] %}{% endif %}
 {%- for q, think, a in shots %}<|im_start|>user
 {{ q }}<|im_end|>
 <|im_start|>assistant
@@ -115,6 +116,12 @@ def test_tokenize_equals_the_hf_tokenizer(srv, hf_tokenizer):
     assert r["tokens"] == want and r["count"] == len(want)
     r = httpx.post(f"{url}/tokenize", json={"messages": MSGS, "add_generation_prompt": False}).json()
     assert r["count"] < len(want)
+    # chat_template_kwargs: variables the template reads, as HF's apply_chat_template takes them
+    r = httpx.post(f"{url}/tokenize", json={"messages": MSGS, "chat_template_kwargs": {"no_shots": True}}).json()
+    want = hf_tokenizer.apply_chat_template(MSGS, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=True,
+                                            no_shots=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert r["tokens"] == want and r["count"] < 30
 
 
 @pytest.mark.parametrize("path,body,param", [

@@ -203,6 +203,10 @@ def test_auto_needs_the_parser_flags():
         assert e.value.status == 400 and e.value.param == param and "--enable-auto-tool-choice" in e.value.message
     assert plan_tools(_req(tools=TOOLS, tool_choice="none"), ServeOptions()).parser is None
     assert plan_tools(_req(tools=TOOLS, tool_choice="required"), ServeOptions()).constraint is not None
+    # mistral's [TOOL_CALLS] is a special token: kept in the text for its parser
+    mistral = ServeOptions(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    assert plan_tools(_req(tools=TOOLS), mistral).keep_special_tokens
+    assert not plan_tools(_req(tools=TOOLS, tool_choice="required"), mistral).keep_special_tokens
 
 
 def _every_split(parser_factory, text):
