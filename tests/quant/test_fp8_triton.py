@@ -20,7 +20,7 @@ FP8_TRITON = ";".join(f"{op}=triton.default" for op in ("quantize_fp8", "scaled_
                                                           "fp8_linear"))
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "ct_channel_token"])
+@pytest.mark.parametrize("fmt", ["fp8_block"])  # scaled_mm row-wise: its conformance cases
 def test_triton_fp8_model_equals_the_reference_ops(fmt, tmp_path):
     platform = detect_platform("cpu")
     triton_ops = resolve(platform, Policy.from_sources(FP8_TRITON, env={}, platform=platform))
