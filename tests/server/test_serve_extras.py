@@ -131,11 +131,14 @@ def test_tokenize_equals_the_hf_tokenizer(srv, hf_tokenizer):
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": MSGS, "tools": [{"type": "function"}]}, "tools[0].function"),
     ("/tokenize", {"prompt": "a", "model": "gpt-9"}, "model"),
+    ("/tokenize", {"messages": MSGS, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs.tokenize"),
+    ("/v1/chat/completions", {"messages": MSGS, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+     "chat_template_kwargs.chat_template"),
     ("/detokenize", {"tokens": [1, -1]}, "tokens"),
     ("/detokenize", {"tokens": [49152]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
 ])
-def test_tokenize_bad_input_names_the_field(srv, path, body, param):
+def test_bad_input_names_the_field(srv, path, body, param):
     r = httpx.post(f"{srv.base_url}{path}", json=body)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param, r.text

@@ -35,8 +35,20 @@ def _messages(messages: list[P.ChatMessage] | None) -> list[dict]:
     return template_messages(out)
 
 
+# apply_chat_template's own parameters: chat_template_kwargs carries only the template's variables
+# (enable_thinking, ...), never what the server decides (the template, tokenising, the tools).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs"})
+
+
 def _template_kwargs(req, tools) -> dict:
     kw = dict(req.chat_template_kwargs or {})
+    bad = sorted(set(kw) & _RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise bad_request(f"chat_template_kwargs.{bad[0]}: not a template variable (the server sets it)",
+                          param=f"chat_template_kwargs.{bad[0]}", code="invalid_value")
     if tools:
         kw["tools"] = tools
     return kw
