@@ -63,6 +63,8 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = False
     suffix: str | None = None  # not supported: rejected when set
     best_of: int | None = None  # only best_of == n is accepted
+    prompt_logprobs: int | None = None  # vLLM extension: each prompt token's logprob and the top-k
+    return_token_ids: bool | None = False  # vLLM extension: prompt_token_ids and token_ids in each choice
 
 
 class TextContentPart(_Request):
@@ -132,12 +134,24 @@ class CompletionLogProbs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's Logprob as its server writes it, in ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extensions: null unless asked for
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # None at position 0
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streamed: the first chunk only)
+    token_ids: list[int] | None = None  # return_token_ids (streamed: this chunk's new tokens)
 
 
 class CompletionResponse(_Response):

@@ -334,6 +334,8 @@ def _token_text(state, tid: int, entry: dict | None) -> str:
     lp = entry.get(tid) if entry else None
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
+    if state.tokenizer is None:  # a model without a tokenizer: vLLM's name for a token without text
+        return f"token_id:{tid}"
     return state.decode_token(tid)
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from turnout.entrypoints.openai import protocol as P
-from turnout.entrypoints.openai.errors import bad_request
+from turnout.entrypoints.openai.errors import bad_request, from_value_error
 from turnout.entrypoints.openai.serving import (MAX_CHOICES_PER_REQUEST, MAX_PROMPTS_PER_REQUEST, SSE_HEADERS,
                                                 Prompt, _admit, _common_checks, _Delta, _engine_error,
                                                 _structured_outputs,
@@ -65,9 +66,19 @@ async def create_completion(state, request: Request):
     if req.echo and req.logprobs is not None:
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo",
                           code="unsupported")
+    if req.echo and req.prompt_logprobs is not None:
+        raise bad_request("echo together with prompt_logprobs is not supported", param="echo", code="unsupported")
     state.require_ready()
+    if req.echo and state.tokenizer is None:
+        raise bad_request("echo: this model has no tokenizer to write the prompt's text", param="echo",
+                          code="unsupported")
     params = _sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, rename={},
                               structured_outputs=await _structured_outputs(state, req))
+    if req.prompt_logprobs is not None:
+        try:  # SamplingParams checks it (an integer in [0, MAX_LOGPROBS]) and names it
+            params = dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs)
+        except ValueError as e:
+            raise from_value_error(e) from None
     prompts = await _prompts(state, req)
     if len(prompts) * params.n > MAX_CHOICES_PER_REQUEST:
         raise bad_request(f"n: {len(prompts)} prompts x n={params.n} exceeds {MAX_CHOICES_PER_REQUEST} choices",
@@ -93,7 +104,8 @@ async def create_completion(state, request: Request):
                 lp, _ = completion_logprobs(state, o.token_ids, o.logprobs, 0, k, 0)
             text = (prompts[i].text + o.text) if req.echo else o.text
             choices.append(P.CompletionChoice(index=i * n + o.index, text=text, logprobs=lp,
-                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                              **_token_fields(req, out, o.token_ids, first=True)))
     resp = P.CompletionResponse(id=base, model=model_name, choices=choices,
                                 usage=_usage(sum(len(p.ids) for p in prompts), completion_tokens))
     return JSONResponse(resp.model_dump(), headers={"X-Request-Id": base})
@@ -105,6 +117,7 @@ async def _stream(state, req, ex: _Exchange, prompts, params, base, model_name):
     deltas = {}
     offsets = {}
     completion_tokens = {}
+    started = set()  # choices whose first chunk went out (it carries the prompt's fields)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
         async for i, out in ex.merged():
@@ -122,11 +135,14 @@ async def _stream(state, req, ex: _Exchange, prompts, params, base, model_name):
                 lp = None
                 if k is not None and ids:
                     lp, offsets[ci] = completion_logprobs(state, ids, o.logprobs, first, k, offsets[ci])
-                if not text and lp is None and not d.done:
+                first_chunk = ci not in started
+                if not text and lp is None and not d.done and not (req.return_token_ids and ids):
                     continue
+                started.add(ci)
                 choices.append(P.CompletionChoice(index=ci, text=text, logprobs=lp,
                                                   finish_reason=o.finish_reason if d.done else None,
-                                                  stop_reason=o.stop_reason if d.done else None))
+                                                  stop_reason=o.stop_reason if d.done else None,
+                                                  **_token_fields(req, out, ids, first=first_chunk)))
             if choices:
                 yield sse(P.CompletionStreamChunk(id=base, created=created, model=model_name,
                                                   choices=choices).model_dump())
@@ -142,3 +158,33 @@ async def _stream(state, req, ex: _Exchange, prompts, params, base, model_name):
         yield "data: [DONE]\n\n"
     finally:
         ex.close()
+
+
+def _token_fields(req: P.CompletionRequest, out, ids: list[int], first: bool) -> dict:
+    """vLLM's token-level extras of one choice: ``token_ids`` (with ``return_token_ids``; in a stream the
+    chunk's new ids), and in the first chunk only ``prompt_token_ids`` and ``prompt_logprobs``."""
+    fields = {}
+    if req.return_token_ids:
+        fields["token_ids"] = list(ids)
+        if first:
+            fields["prompt_token_ids"] = list(out.prompt_token_ids)
+    if req.prompt_logprobs is not None and first:
+        fields["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+    return fields
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """The engine's prompt logprobs as vLLM's server writes them: None at position 0, then per position
+    {token id: {logprob, rank, decoded_token}}: the prompt token (whatever its rank) and the top-k the
+    engine computed.
+    -inf is written as -9999.0, as the other logprobs (JSON has no infinity)."""
+    if entries is None:
+        return None
+    rows = []
+    for entry in entries:
+        if entry is None:
+            rows.append(None)
+            continue
+        rows.append({tid: P.PromptLogprob(logprob=max(float(lp.logprob), -9999.0), rank=lp.rank,
+                                          decoded_token=lp.decoded_token) for tid, lp in entry.items()})
+    return rows
