@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -102,7 +103,7 @@ class KVTransfer:
     """Host caches sized from the config, the swap strategy, and the start-up measurements for auto."""
 
     def __init__(self, runner, config):
-        self.runner = runner
+        self.runner = weakref.proxy(runner)  # the runner owns this: no cycle keeping a dropped runner's memory
         self.ops = runner.ops
         self.failed: dict[str, str] = {}  # swap ops that raised on their first call -> why (never used again)
         self.strategy, self.skipped = choose_strategy(self.ops)
@@ -182,6 +183,19 @@ class KVTransfer:
             best = min(best, time.perf_counter() - t0)
         self.copy_bytes_per_s = 2 * n * r.block_bytes / best
         tokens = max(1, min(32, config.max_num_batched_tokens, r.num_blocks * r.block_size, r.max_model_len))
+        forward = self._probe_forward(tokens)
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            forward(r.kv_caches)
+            self._sync()
+            best = min(best, time.perf_counter() - t0)
+        self.prefill_tokens_per_s = tokens / best
+
+    def _probe_forward(self, tokens: int):
+        """A forward of one ``tokens``-token sequence into device blocks [0, ceil(tokens / block_size)),
+        as ``run(caches)``: for measurements taken before any request owns a block."""
+        r = self.runner
         dev = r.device
         nb = -(-tokens // r.block_size)
         meta = AttentionMetadata(
@@ -191,13 +205,49 @@ class KVTransfer:
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
             max_query_len=tokens, max_seq_len=tokens)
         ids = torch.zeros(tokens, dtype=torch.long, device=dev)
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            r.model(ids, torch.arange(tokens, device=dev), r.kv_caches, meta)
-            self._sync()
-            best = min(best, time.perf_counter() - t0)
-        self.prefill_tokens_per_s = tokens / best
+        pos = torch.arange(tokens, device=dev)
+        return lambda caches: r.model(ids, pos, caches, meta)
+
+    @torch.inference_mode()
+    def measure_overlap(self, num_blocks: int = 64, tokens: int = 2048, iters: int = 5) -> dict:
+        """How much of the per-layer async swap-in hides behind the forward, from device events: the copy
+        of ``num_blocks`` blocks (every layer) alone, a ``tokens``-token forward alone, and the forward with
+        that swap-in gated layer by layer (hidden = 1 - (with - alone) / copy). Medians of ``iters``
+        interleaved runs. Only before any request owns a block (it writes blocks nothing owns yet)."""
+        r = self.runner
+        if self.strategy is None or self.strategy[1] != "swap_layer_async" or not self.num_host_blocks:
+            why = ("no device streams" if not r.platform.is_gpu else
+                   "no host blocks" if not self.num_host_blocks else f"swap-ins run {self.strategy and self.strategy[0]}")
+            return {"hidden": None, "why": f"n/a ({why})"}
+        tokens = max(1, min(tokens, self.runner.config.max_num_batched_tokens))
+        first = -(-tokens // r.block_size)
+        n = min(num_blocks, self.num_host_blocks, r.num_blocks - first)
+        pairs = [(h, first + h) for h in range(n)]
+        forward = self._probe_forward(tokens)
+        main = self._mod.current_stream(r.device)
+
+        def timed(fn) -> float:
+            a, b = self._mod.Event(enable_timing=True), self._mod.Event(enable_timing=True)
+            a.record(main)
+            fn()
+            b.record(main)
+            b.synchronize()
+            return a.elapsed_time(b)
+
+        runs = {"copy": lambda: self.swap_in(pairs).finish(), "forward": lambda: forward(r.kv_caches),
+                "forward_with_swap_in": lambda: forward(LayerGatedCaches(r.kv_caches, self.swap_in(pairs)))}
+        ms = {k: [] for k in runs}
+        for i in range(iters + 1):  # the first round warms up
+            for k, fn in runs.items():
+                t = timed(fn)
+                if i:
+                    ms[k].append(t)
+        med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
+        extra = max(0.0, med["forward_with_swap_in"] - med["forward"])
+        return {"hidden": max(0.0, 1.0 - extra / med["copy"]) if med["copy"] > 0 else None, "blocks": n,
+                "forward_tokens": tokens, "copy_ms": med["copy"], "copy_per_layer_ms": med["copy"] / r.num_layers,
+                "forward_ms": med["forward"], "forward_with_swap_in_ms": med["forward_with_swap_in"],
+                "copy_GB_s": n * r.block_bytes / med["copy"] / 1e6 if med["copy"] > 0 else None}
 
     # ---- the copies ---------------------------------------------------------------------------
     def _call(self, op: str, src, dst, m, stream=None):
