@@ -40,7 +40,14 @@ class EngineConfig:
     # Tensor parallelism: the model split over this many ranks (devices) of this machine; the executor
     # (turnout/executor) runs them: uniproc for one rank, mp (a process per rank) for several.
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # None: uniproc for one rank, mp for several
+    distributed_executor_backend: str | None = None  # None: uniproc for one rank, mp for several; or ray
+    # Several machines (turnout/executor/multinode.py): tensor_parallel_size / nnodes ranks on each; node 0 runs
+    # the engine, nodes 1.. `turnout serve --headless`; rank 0's rendezvous store listens on master_addr:port.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    ray_address: str | None = None  # the ray executor's cluster (None: $RAY_ADDRESS, else a local one)
     # MoE models: the tensor-parallel ranks split the routed experts by expert id (rank r holds experts
     # [r E/W, (r+1) E/W)) instead of each expert's intermediate dim; attention stays TP-sharded.
     enable_expert_parallel: bool = False
@@ -80,8 +87,18 @@ class EngineConfig:
             bad("fair_share_seqs", f"must be a positive integer or None, got {self.fair_share_seqs!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", f"must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.distributed_executor_backend not in (None, "uniproc", "mp"):
-            bad("distributed_executor_backend", f"unknown backend {self.distributed_executor_backend!r} (uniproc, mp)")
+        if self.distributed_executor_backend not in (None, "uniproc", "mp", "ray"):
+            bad("distributed_executor_backend",
+                f"unknown backend {self.distributed_executor_backend!r} (uniproc, mp, ray)")
+        if not isinstance(self.nnodes, int) or self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            bad("nnodes", f"must be a positive integer dividing tensor_parallel_size "
+                f"{self.tensor_parallel_size}, got {self.nnodes!r}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be in [0, {self.nnodes}) (nnodes), got {self.node_rank!r}")
+        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
+            bad("master_port", f"must be a TCP port in [1, 65535], got {self.master_port!r}")
+        if self.nnodes > 1 and self.distributed_executor_backend == "ray":
+            bad("nnodes", "the ray backend places the ranks on the cluster's nodes itself: leave nnodes at 1")
         if self.distributed_executor_backend == "uniproc" and self.tensor_parallel_size != 1:
             bad("distributed_executor_backend", f"uniproc runs one rank, but tensor_parallel_size is "
                 f"{self.tensor_parallel_size}; use mp")

@@ -15,6 +15,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnout.distributed import rendezvous
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -58,10 +60,10 @@ def init_distributed(platform, *, rank: int, world_size: int, init_method: str |
                      device=None) -> TPGroup:
     """Join the world (``rank`` of ``world_size``) on the platform's backend and return this rank's TP group.
 
-    ``init_method``: a torch.distributed URL (``tcp://127.0.0.1:PORT``, ``env://``); required for a world of
-    more than one. ``tensor_parallel_size`` (default: the whole world) splits the world into groups of that
-    many consecutive ranks. ``device``: this rank's device, for backends that bind one (NCCL). A world of one
-    with no ``init_method`` makes no process group and returns ``SINGLE``.
+    ``init_method``: a torch.distributed URL (``tcp://127.0.0.1:PORT``, ``env://``) or a torch ``Store``;
+    required for a world of more than one. ``tensor_parallel_size`` (default: the whole world) splits the
+    world into groups of that many consecutive ranks. ``device``: this rank's device, for backends that bind
+    one (NCCL). A world of one with no ``init_method`` makes no process group and returns ``SINGLE``.
     """
     global _current
     tp = tensor_parallel_size or world_size
@@ -82,7 +84,14 @@ def init_distributed(platform, *, rank: int, world_size: int, init_method: str |
     kwargs = {}
     if device is not None and backend == "nccl":
         kwargs["device_id"] = device  # binds the communicator to this rank's GPU at once
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    if isinstance(init_method, str) and init_method.startswith("tcp://"):
+        # rank 0's store listens on the URL's host only (distributed/rendezvous.py), the others join it
+        kwargs["store"] = rendezvous.store_for(init_method, rank, timeout_s)
+    elif isinstance(init_method, str):
+        kwargs["init_method"] = init_method
+    else:  # a torch Store made by the caller (rank 0 of a multi-node engine: distributed/rendezvous.py)
+        kwargs["store"] = init_method
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     if tp == world_size:
         group = dist.group.WORLD

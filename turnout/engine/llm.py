@@ -23,7 +23,8 @@ class LLM:
                  tokenizer: str | None = None, async_scheduling: bool | None = None,
                  max_tokens_per_request: int | None = None, fair_share_seqs: int | None = 16,
                  tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
-                 enable_expert_parallel: bool = False,
+                 enable_expert_parallel: bool = False, nnodes: int = 1, node_rank: int = 0,
+                 master_addr: str = "127.0.0.1", master_port: int = 29500, ray_address: str | None = None,
                  preemption_mode: str = "auto", swap_space: float = 4.0, kv_offload_gb: float = 0.0,
                  quantization: str | None = None):
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -36,7 +37,9 @@ class LLM:
                                    max_tokens_per_request=max_tokens_per_request, fair_share_seqs=fair_share_seqs,
                                    tensor_parallel_size=tensor_parallel_size,
                                    distributed_executor_backend=distributed_executor_backend,
-                                   enable_expert_parallel=enable_expert_parallel,
+                                   enable_expert_parallel=enable_expert_parallel, nnodes=nnodes,
+                                   node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                                   ray_address=ray_address,
                                    preemption_mode=preemption_mode, swap_space=swap_space,
                                    kv_offload_gb=kv_offload_gb, quantization=quantization)
         self.engine = LLMEngine(self.config)

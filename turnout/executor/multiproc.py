@@ -55,7 +55,9 @@ class StepPublisher:
 
 
 class MultiprocExecutor:
-    def __init__(self, config, platform, ops):
+    def __init__(self, config, platform, ops, remote=None):
+        """``remote``: ranks on other machines (executor/multinode.py ``HeadRendezvous``, the Ray executor's
+        actors), reached over authenticated sockets that carry the same messages as the local pipes."""
         import multiprocessing as mp
 
         from turnout.worker.worker import Worker, worker_main
@@ -64,9 +66,12 @@ class MultiprocExecutor:
         self.world_size = world
         self._dir = tempfile.mkdtemp(prefix="turnout-rdzv-")
         init_method = f"file://{os.path.join(self._dir, 'store')}"
+        driver_init, local, self._remote = init_method, world, remote
+        if remote is not None:
+            driver_init, init_method, local = remote.driver_init_method, remote.init_method, remote.local_ranks
         ctx = mp.get_context("spawn")
         self._procs, self._to, self._from = [], [], []
-        for rank in range(1, world):
+        for rank in range(1, local):
             to_r, to_w = ctx.Pipe(duplex=False)
             from_r, from_w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=worker_main, args=(rank, world, init_method, config, to_r, from_w),
@@ -78,13 +83,17 @@ class MultiprocExecutor:
             self._to.append(to_w)
             self._from.append(from_r)
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._to, self._dir)
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._to, self._dir, remote)
         watchdog = threading.Thread(target=self._watch_start_up, daemon=True, name="turnout-tp-start-up")
         self._starting = True
         watchdog.start()
         try:
-            self.worker = Worker(config, rank=0, world_size=world, init_method=init_method, platform=platform,
-                                 ops=ops, runner=False)
+            if remote is not None:  # the other machines' ranks, in rank order after this machine's
+                conns = remote.accept()
+                self._to += conns
+                self._from += conns
+            self.worker = Worker(config, rank=0, world_size=world, init_method=driver_init, platform=platform,
+                                 ops=ops, runner=False, local_rank=remote.driver_local_rank if remote else None)
             self._expect("loaded")  # every shard is in memory before the runners' collectives (memory profile)
             self.worker.build_runner(step_publisher=StepPublisher(self._to, self.worker.tp.group))
             blocks = [self.worker.runner.num_blocks] + self._expect("ready")
@@ -178,7 +187,7 @@ class _DriverRunner:
             raise
 
 
-def _shutdown(procs, conns, rdzv_dir) -> None:
+def _shutdown(procs, conns, rdzv_dir, remote=None) -> None:
     quit_msg = step_codec.QUIT.ljust(8, b"\0")
     for c in conns:
         try:
@@ -192,3 +201,5 @@ def _shutdown(procs, conns, rdzv_dir) -> None:
             p.terminate()
             p.join(timeout=5)
     shutil.rmtree(rdzv_dir, ignore_errors=True)
+    if remote is not None:
+        remote.close()

@@ -28,7 +28,9 @@ class Worker:
     ``runner=True`` does both at once."""
 
     def __init__(self, config, *, rank: int = 0, world_size: int = 1, init_method: str | None = None,
-                 platform=None, ops=None, runner: bool = True):
+                 platform=None, ops=None, runner: bool = True, local_rank: int | None = None):
+        """``local_rank``: this rank's device index on its machine (a multi-node or Ray rank; a Ray actor sees
+        only its own GPU, index 0). None: the rank itself, every rank on this machine."""
         from turnout.distributed import init_distributed
         from turnout.layers.fusion import plan_fusions
         from turnout.loader import load_model
@@ -39,10 +41,13 @@ class Worker:
         self.platform = platform or detect_platform(config.device)
         if self.platform.is_gpu:
             count = getattr(torch, self.platform.device_type).device_count()
-            if world_size > count:
+            if world_size > count and local_rank is None:
                 raise ValueError(f"tensor_parallel_size: {world_size} ranks but {count} {self.platform.name} "
                                  "device(s) on this machine")
-            self.device = self.platform.device(rank)
+            if local_rank is not None and local_rank >= count:
+                raise ValueError(f"tensor_parallel_size: rank {rank} needs {self.platform.name} device {local_rank}, "
+                                 f"but this machine has {count}")
+            self.device = self.platform.device(rank if local_rank is None else local_rank)
             getattr(torch, self.platform.device_type).set_device(self.device)
         else:
             self.device = self.platform.device(None)
@@ -136,13 +141,15 @@ class Worker:
                 break
 
 
-def worker_main(rank: int, world_size: int, init_method: str, config, conn_in, conn_out) -> None:
+def worker_main(rank: int, world_size: int, init_method: str, config, conn_in, conn_out,
+                local_rank: int | None = None) -> None:
     """Entry point of a spawned rank: build the worker, say ready (with its KV block count) or why not, serve."""
     from turnout.distributed import destroy_distributed
 
     stage = "start-up"
     try:
-        worker = Worker(config, rank=rank, world_size=world_size, init_method=init_method, runner=False)
+        worker = Worker(config, rank=rank, world_size=world_size, init_method=init_method, runner=False,
+                        local_rank=local_rank)
         conn_out.send(("loaded", None))
         stage = "building the model runner"
         worker.build_runner()
