@@ -318,14 +318,14 @@ class AsyncLLMEngine(AsyncRolloutMixin):
                 self.observer.on_finished(time.monotonic() - t.arrival, "abort")
             elif cmd[0] == "call":  # the RL control plane: between two steps, on this thread
                 _, fn, fut = cmd
+                result, error = None, None
                 try:
                     result = fn()
                 except Exception as e:  # noqa: BLE001 - the caller's error (a bad path, asleep, ...)
-                    self._call_soon(_settle, fut, None, e)
-                else:
-                    self._call_soon(_settle, fut, result, None)
-                finally:
-                    self.unavailable = _unavailable(getattr(self.engine, "rl", None))
+                    error = e
+                # before the caller hears back: a request it sends next (after wake_up) sees the new state
+                self.unavailable = _unavailable(getattr(self.engine, "rl", None))
+                self._call_soon(_settle, fut, result, error)
         return added, aborted
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
