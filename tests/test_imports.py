@@ -74,6 +74,8 @@ RULES = {
     "loader imports no engine": ((T + "loader",), (T + "engine", T + "entrypoints", T + "kv")),
     "kv imports no engine": ((T + "kv",), (T + "engine", T + "entrypoints", T + "models", T + "layers")),
     "engine imports no entrypoints": ((T + "engine",), (T + "entrypoints",)),
+    # adapters to other projects (turnout/integrations: verl) sit on the engine, beside the entrypoints
+    "integrations import no entrypoints": ((T + "integrations",), (T + "entrypoints",)),
     # process groups sit just above the platforms: the collective ops and the TP layers use them
     "distributed imports only platforms": ((T + "distributed",), tuple(T + p for p in (
         "ops", "layers", "models", "loader", "kv", "engine", "entrypoints", "executor", "worker"))),

@@ -226,8 +226,11 @@ def test_matches_verls_own_classes(setup):
     """verl's BaseRollout abstract methods and the vLLM server methods its replica and agent loop call exist
     here with the same parameters; TokenOutput converts to verl's pydantic TokenOutput."""
     pytest.importorskip("verl", reason="verl is not installed (it needs Ray and vLLM or SGLang)")
+    server_mod = pytest.importorskip("verl.workers.rollout.vllm_rollout.vllm_async_server",
+                                     reason="verl's vLLM server needs vllm and ray")
     from verl.workers.rollout.base import BaseRollout
-    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    vLLMHttpServer = server_mod.vLLMHttpServer  # noqa: N806 - verl's name
 
     for name in BaseRollout.__abstractmethods__:
         ours = getattr(TurnoutRolloutAdapter, name)
