@@ -48,6 +48,14 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     ray_address: str | None = None  # the ray executor's cluster (None: $RAY_ADDRESS, else a local one)
+    # Seconds a tensor-parallel collective (and so a step) may wait for a peer rank before the step fails
+    # naming the rank that hangs (the TP process group's timeout, and the mp executor's step watchdog).
+    distributed_timeout_s: float = 300.0
+    # Data parallelism (turnout/engine/dp.py, the server): this many engine replicas, each its own process
+    # with tensor_parallel_size ranks; replica r uses devices [r tp, (r + 1) tp). data_parallel_rank is r,
+    # set by the DP client for each replica's engine.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     # MoE models: the tensor-parallel ranks split the routed experts by expert id (rank r holds experts
     # [r E/W, (r+1) E/W)) instead of each expert's intermediate dim; attention stays TP-sharded.
     enable_expert_parallel: bool = False
@@ -102,6 +110,17 @@ class EngineConfig:
         if self.distributed_executor_backend == "uniproc" and self.tensor_parallel_size != 1:
             bad("distributed_executor_backend", f"uniproc runs one rank, but tensor_parallel_size is "
                 f"{self.tensor_parallel_size}; use mp")
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            bad("distributed_timeout_s", f"must be a finite number of seconds > 0, got {t!r}")
+        if not isinstance(self.data_parallel_size, int) or isinstance(self.data_parallel_size, bool) \
+                or self.data_parallel_size < 1:
+            bad("data_parallel_size", f"must be a positive integer, got {self.data_parallel_size!r}")
+        if not isinstance(self.data_parallel_rank, int) or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            bad("data_parallel_rank", f"must be in [0, {self.data_parallel_size}) (data_parallel_size), "
+                f"got {self.data_parallel_rank!r}")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            bad("data_parallel_size", "data parallelism runs its replicas on this machine: not with nnodes > 1")
         if not isinstance(self.enable_expert_parallel, bool):
             bad("enable_expert_parallel", f"must be True or False, got {self.enable_expert_parallel!r}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):

@@ -57,7 +57,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def init_distributed(platform, *, rank: int, world_size: int, init_method: str | None = None,
                      tensor_parallel_size: int | None = None, timeout_s: float = 300.0,
-                     device=None) -> TPGroup:
+                     device=None, collective_timeout_s: float | None = None) -> TPGroup:
     """Join the world (``rank`` of ``world_size``) on the platform's backend and return this rank's TP group.
 
     ``init_method``: a torch.distributed URL (``tcp://127.0.0.1:PORT``, ``env://``) or a torch ``Store``;
@@ -65,6 +65,8 @@ def init_distributed(platform, *, rank: int, world_size: int, init_method: str |
     world into groups of that many consecutive ranks. ``device``: this rank's device, for backends that bind
     one (NCCL). A world of one with no ``init_method`` makes no process group and returns ``SINGLE``.
     """
+    # timeout_s bounds the rendezvous (ranks start seconds apart); collective_timeout_s (default: the same) is
+    # the TP group's own timeout: how long a collective waits for a peer that hangs.
     global _current
     tp = tensor_parallel_size or world_size
     if world_size < 1 or not 0 <= rank < world_size:
@@ -93,12 +95,15 @@ def init_distributed(platform, *, rank: int, world_size: int, init_method: str |
         kwargs["store"] = init_method
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    if tp == world_size:
+    group_kwargs = {}
+    if collective_timeout_s is not None and collective_timeout_s != timeout_s:
+        group_kwargs["timeout"] = datetime.timedelta(seconds=collective_timeout_s)
+    if tp == world_size and not group_kwargs:
         group = dist.group.WORLD
     else:  # every rank must create every group, in the same order (torch.distributed's rule)
         group = None
         for start in range(0, world_size, tp):
-            g = dist.new_group(list(range(start, start + tp)))
+            g = dist.new_group(list(range(start, start + tp)), **group_kwargs)
             if start <= rank < start + tp:
                 group = g
     _current = TPGroup(rank=rank % tp, size=tp, group=group if tp > 1 else None, backend=backend)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from turnout.entrypoints import bench_serve
 from turnout.entrypoints.bench_serve_metrics import json_safe as _clean
+from turnout.entrypoints.engine_args import distributed_kwargs
 from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args, add_quantization_arg
 from turnout.kv.stats import format_tiers, tier_report
 from turnout.entrypoints.bench_models import (NullTokenizer, bench_tokenizer, config_roots,  # noqa: F401
@@ -140,6 +141,7 @@ def build_llm(args, batch: int):
               load_format=load_format, seed=args.seed, ops_policy=args.ops_policy, block_size=args.block_size,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               tokenizer=bench_tokenizer(path), tensor_parallel_size=args.tensor_parallel_size,
+              **distributed_kwargs(args),
               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
               batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def add_kv_tier_and_parallel_args(p) -> None:
     """--preemption-mode, --swap-space, --kv-offload-gb, -tp / --tensor-parallel-size, --enable-expert-parallel,
-    --batch-invariant."""
+    --batch-invariant, --distributed-executor-backend, --distributed-timeout."""
     p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
                    help="when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)")
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
@@ -13,11 +13,33 @@ def add_kv_tier_and_parallel_args(p) -> None:
                    help="GiB of host memory for prefix blocks evicted from the device (0: no host tier)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks (devices) of this machine (a process per rank)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uniproc", "mp", "ray"],
+                   help="what runs the ranks: uniproc (one rank, in-process), mp (a process per rank on this "
+                        "machine) or ray (Ray actors; pip install 'turnout[ray]'); default: uniproc for one rank, "
+                        "mp for several")
+    p.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
+                   metavar="SECONDS",
+                   help="how long a tensor-parallel step may wait for a peer rank before it fails naming the "
+                        "rank that hangs (the process group's collective timeout and the step watchdog)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: the tensor-parallel ranks split the experts by expert id, not by intermediate dim")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs bitwise the same whatever else is batched with it (batch "
                         "size, chunked prefill, prefix-cache hits): batch-invariant kernels only; slower")
+
+
+def add_data_parallel_arg(p) -> None:
+    """-dp / --data-parallel-size (serve: engine replicas behind one server, turnout/engine/dp.py)."""
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind this server, each its own process with -tp ranks (replica r on "
+                        "devices [r tp, (r + 1) tp)); requests go to the least loaded replica")
+
+
+def distributed_kwargs(args) -> dict:
+    """The engine fields the flags of add_kv_tier_and_parallel_args that are not LLM's own names set
+    (EngineConfig / LLM keyword arguments)."""
+    return {"distributed_executor_backend": args.distributed_executor_backend,
+            "distributed_timeout_s": args.distributed_timeout_s}
 
 
 def add_quantization_arg(p) -> None:

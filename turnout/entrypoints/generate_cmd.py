@@ -39,6 +39,7 @@ def run(args) -> int:
 
     from turnout.engine.llm import LLM
     from turnout.engine.sampling_params import SamplingParams
+    from turnout.entrypoints.engine_args import distributed_kwargs
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
@@ -46,6 +47,7 @@ def run(args) -> int:
               load_format=args.load_format, ops_policy=args.ops_policy,
               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
               async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+              **distributed_kwargs(args),
               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
               batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)

@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from turnout.executor.rank_health import RankHealth
 from turnout.worker import step_codec
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,8 @@ logger = logging.getLogger(__name__)
 class StepPublisher:
     """What the driver's ModelRunner calls (``runner.step_publisher``) to send each step to the other ranks."""
 
-    def __init__(self, conns, group):
-        self.conns, self.group = conns, group
+    def __init__(self, conns, group, health=None):
+        self.conns, self.group, self.health = conns, group, health
 
     def copy_blocks(self, copy_on_write) -> None:
         msg = step_codec.encode_copy(copy_on_write)
@@ -46,6 +47,8 @@ class StepPublisher:
     def step(self, input_ids, positions, meta, sample_idx, has_lanes: bool, input_tokens) -> None:
         pending = input_tokens is not None
         msg = step_codec.encode_step(input_ids, positions, meta, sample_idx, has_lanes, pending)
+        if self.health is not None:
+            self.health.step_published()
         for c in self.conns:
             c.send_bytes(msg)
         if pending:
@@ -71,10 +74,14 @@ class MultiprocExecutor:
             driver_init, init_method, local = remote.driver_init_method, remote.init_method, remote.local_ranks
         ctx = mp.get_context("spawn")
         self._procs, self._to, self._from = [], [], []
+        self.health = RankHealth(ctx, world, float(config.distributed_timeout_s))
+        # PR_SET_PDEATHSIG follows the spawning thread: only ask for it when that thread lives as long as we do
+        pdeathsig = threading.current_thread() is threading.main_thread()
         for rank in range(1, local):
             to_r, to_w = ctx.Pipe(duplex=False)
             from_r, from_w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=worker_main, args=(rank, world, init_method, config, to_r, from_w),
+                            kwargs={"parent_pid": os.getpid(), "health": self.health.shared, "pdeathsig": pdeathsig},
                             name=f"turnout-worker-{rank}", daemon=True)
             p.start()
             to_r.close()
@@ -82,6 +89,7 @@ class MultiprocExecutor:
             self._procs.append(p)
             self._to.append(to_w)
             self._from.append(from_r)
+        self.health.procs = self._procs
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._to, self._dir, remote)
         watchdog = threading.Thread(target=self._watch_start_up, daemon=True, name="turnout-tp-start-up")
@@ -95,7 +103,7 @@ class MultiprocExecutor:
             self.worker = Worker(config, rank=0, world_size=world, init_method=driver_init, platform=platform,
                                  ops=ops, runner=False, local_rank=remote.driver_local_rank if remote else None)
             self._expect("loaded")  # every shard is in memory before the runners' collectives (memory profile)
-            self.worker.build_runner(step_publisher=StepPublisher(self._to, self.worker.tp.group))
+            self.worker.build_runner(step_publisher=StepPublisher(self._to, self.worker.tp.group, self.health))
             blocks = [self.worker.runner.num_blocks] + self._expect("ready")
         except BaseException:
             self.shutdown()
@@ -103,7 +111,8 @@ class MultiprocExecutor:
         finally:
             self._starting = False
         self.loaded = self.worker.loaded
-        self.runner = _DriverRunner(self.worker.runner, self._procs)
+        self.runner = _DriverRunner(self.worker.runner, self.health)
+        self.health.start_watchdog()
         self.num_blocks = min(blocks)
         logger.info("tensor parallel: %d ranks (%s), %d KV blocks (the least of %s)", world,
                     platform.dist_backend, self.num_blocks, blocks)
@@ -153,6 +162,7 @@ class MultiprocExecutor:
         if self._closed:
             return
         self._closed = True
+        self.health.close()
         self._finalizer()
         from turnout.distributed import destroy_distributed
 
@@ -161,30 +171,26 @@ class MultiprocExecutor:
 
 class _DriverRunner:
     """Rank 0's ModelRunner as the engine core sees it: the same object (every attribute is its own), except
-    that a step failing because another rank is gone says which rank."""
+    that its steps are timed by the step watchdog, and a step that fails because another rank died or hangs
+    says which rank (executor/rank_health.py)."""
 
-    def __init__(self, runner, procs):
-        self._runner, self._procs = runner, procs
+    def __init__(self, runner, health):
+        self._runner, self._health = runner, health
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
     def execute(self, *args, **kwargs):
+        self._health.step_started()
         try:
             return self._runner.execute(*args, **kwargs)
         except Exception as e:
-            from multiprocessing.connection import wait
-
-            # A peer's reset can arrive before its exit; its pipe closes before it can be reaped.
-            gone = set(wait([p.sentinel for p in self._procs], timeout=2.0))
-            for p in self._procs:
-                if p.sentinel in gone:
-                    p.join(timeout=2.0)
-            dead = [(rank, p.pid, p.exitcode) for rank, p in enumerate(self._procs, start=1) if p.exitcode is not None]
-            if dead:
-                ranks = ", ".join(f"rank {r} (pid {pid}, exit code {code})" for r, pid, code in dead)
-                raise RuntimeError(f"tensor-parallel worker {ranks} died: {type(e).__name__}: {e}") from e
+            blamed = self._health.blame(reap_s=2.0)
+            if blamed:
+                raise RuntimeError(f"tensor-parallel worker {blamed}: {type(e).__name__}: {e}") from e
             raise
+        finally:
+            self._health.step_ended()
 
 
 def _shutdown(procs, conns, rdzv_dir, remote=None) -> None:

@@ -41,20 +41,30 @@ class Worker:
         self.platform = platform or detect_platform(config.device)
         if self.platform.is_gpu:
             count = getattr(torch, self.platform.device_type).device_count()
-            if world_size > count and local_rank is None:
-                raise ValueError(f"tensor_parallel_size: {world_size} ranks but {count} {self.platform.name} "
-                                 "device(s) on this machine")
+            dp = getattr(config, "data_parallel_size", 1)
+            if world_size * dp > count and local_rank is None:
+                what = (f"data_parallel_size {dp} x tensor_parallel_size {world_size} = {world_size * dp}" if dp > 1
+                        else f"tensor_parallel_size: {world_size}")
+                raise ValueError(f"{what} ranks but {count} {self.platform.name} device(s) on this machine")
             if local_rank is not None and local_rank >= count:
                 raise ValueError(f"tensor_parallel_size: rank {rank} needs {self.platform.name} device {local_rank}, "
                                  f"but this machine has {count}")
-            self.device = self.platform.device(rank if local_rank is None else local_rank)
+            if local_rank is None:  # data-parallel replica r uses devices [r tp, (r + 1) tp)
+                local_rank = getattr(config, "data_parallel_rank", 0) * world_size + rank
+            self.device = self.platform.device(local_rank)
             getattr(torch, self.platform.device_type).set_device(self.device)
         else:
             self.device = self.platform.device(None)
             if world_size > 1:  # ranks share the host's cores
                 torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+        timeout = float(getattr(config, "distributed_timeout_s", 300.0))
         self.tp = init_distributed(self.platform, rank=rank, world_size=world_size, init_method=init_method,
-                                   device=self.device if self.platform.is_gpu else None)
+                                   device=self.device if self.platform.is_gpu else None,
+                                   timeout_s=max(timeout, 300.0), collective_timeout_s=timeout)
+        if world_size > 1:
+            from turnout.worker.lifecycle import check_same_config
+
+            check_same_config(config, rank, self.tp.group)
         self.ops = ops or resolve(self.platform, Policy.for_config(config, platform=self.platform))
         torch.manual_seed(config.seed)
         self.loaded = load_model(config.model, load_format=config.load_format, dtype=config.dtype, device=self.device,
@@ -116,8 +126,10 @@ class Worker:
         mapping = torch.tensor(pairs, dtype=torch.long, device=self.device)
         self.ops.copy_blocks([c for kv in self.runner.kv_caches for c in kv], mapping)
 
-    def serve(self, conn_in, conn_out) -> None:
-        """The loop of a spawned rank: until the engine says quit or its end of the pipe closes."""
+    def serve(self, conn_in, conn_out, progress=None) -> None:
+        """The loop of a spawned rank: until the engine says quit or its end of the pipe closes.
+        ``progress[rank]``: steps this rank has finished (what the engine's step watchdog reads)."""
+        steps = 0
         while True:
             try:
                 msg = conn_in.recv_bytes()
@@ -126,6 +138,9 @@ class Worker:
             kind = step_codec.kind_of(msg)
             if kind == step_codec.STEP:
                 self.run_step(msg)
+                steps += 1
+                if progress is not None:
+                    progress[self.rank] = steps
             elif kind == step_codec.COPY:
                 self.copy_blocks(msg)
             elif kind == step_codec.RPC:
@@ -142,10 +157,20 @@ class Worker:
 
 
 def worker_main(rank: int, world_size: int, init_method: str, config, conn_in, conn_out,
-                local_rank: int | None = None) -> None:
-    """Entry point of a spawned rank: build the worker, say ready (with its KV block count) or why not, serve."""
+                local_rank: int | None = None, parent_pid: int | None = None, health=None,
+                pdeathsig: bool = True) -> None:
+    """Entry point of a spawned rank: build the worker, say ready (with its KV block count) or why not, serve.
+    ``parent_pid``: the engine process, which this rank does not outlive; ``health``: the engine's shared
+    ``(progress, beats)`` arrays (turnout/executor/rank_health.py); both None for a rank on another node."""
     from turnout.distributed import destroy_distributed
+    from turnout.worker import lifecycle
 
+    if parent_pid is not None:
+        lifecycle.die_with_parent(parent_pid, pdeathsig)
+    progress = None
+    if health is not None:
+        progress, beats = health
+        lifecycle.start_heartbeat(beats, rank)
     stage = "start-up"
     try:
         worker = Worker(config, rank=rank, world_size=world_size, init_method=init_method, runner=False,
@@ -158,6 +183,6 @@ def worker_main(rank: int, world_size: int, init_method: str, config, conn_in, c
         return
     conn_out.send(("ready", worker.runner.num_blocks))
     try:
-        worker.serve(conn_in, conn_out)
+        worker.serve(conn_in, conn_out, progress)
     finally:
         destroy_distributed()
