@@ -79,8 +79,11 @@ class ServerState:
                 self.served_model_names = [str(engine.model_name)]
             ops = getattr(engine, "ops", None)
             self.ops_report = list(ops.report()) if ops is not None and hasattr(ops, "report") else []
-            self.async_engine = AsyncLLMEngine(engine, max_queue=self.max_queue, max_num_seqs=self.max_num_seqs,
-                                               observer=self.metrics, on_dead=self._engine_died).start()
+            async_cls = AsyncLLMEngine
+            if hasattr(engine, "replicas"):  # --data-parallel-size > 1 (turnout/engine/dp.py)
+                from turnout.engine.dp import DPAsyncEngine as async_cls
+            self.async_engine = async_cls(engine, max_queue=self.max_queue, max_num_seqs=self.max_num_seqs,
+                                          observer=self.metrics, on_dead=self._engine_died).start()
         except BaseException as e:  # noqa: BLE001
             self.phase = "failed"
             logger.error("model loading failed: %s: %s", type(e).__name__, e,

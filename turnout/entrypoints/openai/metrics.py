@@ -52,11 +52,36 @@ class _EngineCollector:
         yield counter("turnout_lookahead_steps", "Decode steps launched before the previous step's tokens were "
                       "read back (async scheduling).", s.lookahead_steps_total if s else 0)
         yield gauge("turnout_engine_healthy", "1 when the engine is loaded and alive.", 1 if st.healthy else 0)
+        yield from _replica_metrics(getattr(eng, "replicas", None), getattr(eng, "admitted", None))
         ops = g("turnout_op_implementation", "Implementation each op resolved to (value 1).",
                 labels=["op", "impl"])
         for row in st.ops_report:
             ops.add_metric([str(row.get("op")), str(row.get("chosen") or "none")], 1)
         yield ops
+
+
+def _replica_metrics(replicas, admitted):
+    """--data-parallel-size > 1: the same gauges and counters per replica (label ``replica``); the unlabelled
+    families above are the totals."""
+    if not replicas:
+        return
+    fams = [(GaugeMetricFamily, "turnout_replica_num_requests_running", "Requests being generated, per replica.",
+             lambda i, s: s.num_running),
+            (GaugeMetricFamily, "turnout_replica_num_requests_waiting", "Requests waiting, per replica.",
+             lambda i, s: s.num_waiting),
+            (GaugeMetricFamily, "turnout_replica_kv_cache_usage_perc", "KV-cache usage (0..1), per replica.",
+             lambda i, s: s.kv_cache_usage),
+            (CounterMetricFamily, "turnout_replica_prompt_tokens", "Prompt tokens processed, per replica.",
+             lambda i, s: s.prompt_tokens_total),
+            (CounterMetricFamily, "turnout_replica_generation_tokens", "Tokens generated, per replica.",
+             lambda i, s: s.generation_tokens_total),
+            (CounterMetricFamily, "turnout_replica_requests", "Requests routed to each replica.",
+             lambda i, s: admitted[i] if admitted else 0)]
+    for cls, name, doc, value in fams:
+        m = cls(name, doc, labels=["replica"])
+        for i, r in enumerate(replicas):
+            m.add_metric([str(i)], value(i, r.stats))
+        yield m
 
 
 class ServerMetrics(EngineObserver):

@@ -57,6 +57,9 @@ def add_arguments(p) -> None:
                    help="while others wait, one request runs at most this many of its sequences a step "
                         "(0: no cap)")
     add_kv_tier_and_parallel_args(e)
+    from turnout.entrypoints.engine_args import add_data_parallel_arg
+
+    add_data_parallel_arg(e)
     add_quantization_arg(e)
     e.add_argument("--block-size", type=int, default=16, help="tokens in one KV-cache block")
     e.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache bytes (CPU default 1 GiB)")
@@ -147,8 +150,15 @@ def build_config(args):
         served_model_name=(args.served_model_name or [None])[0],
         max_tokens_per_request=args.max_tokens_per_request, fair_share_seqs=args.fair_share_seqs or None,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+        data_parallel_size=args.data_parallel_size, **_distributed_kwargs(args),
         quantization=args.quantization, batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
+
+
+def _distributed_kwargs(args) -> dict:
+    from turnout.entrypoints.engine_args import distributed_kwargs
+
+    return distributed_kwargs(args)
 
 
 def serve_options(args):
@@ -202,6 +212,9 @@ def run(args) -> int:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     config = build_config(args)  # ValueError naming the field, before anything starts
+    if config.data_parallel_size > 1 and args.enable_rl_endpoints:
+        raise ValueError("--enable-rl-endpoints: the RL control plane drives one engine; not with "
+                         "--data-parallel-size > 1")
     options = serve_options(args)
     sock = bind_socket(args.host, args.port)  # before any heavy import or the model: fail in milliseconds
     port = sock.getsockname()[1]  # the one bound, also for --port 0
@@ -216,6 +229,10 @@ def run(args) -> int:
         from turnout.entrypoints.openai.serve_options import refuse_remote_code
 
         refuse_remote_code(config.model, args.trust_remote_code)
+        if config.data_parallel_size > 1:  # N replicas, a process each (turnout/engine/dp.py)
+            from turnout.engine.dp import DataParallelEngine
+
+            return DataParallelEngine(config)
         return LLMEngine.from_config(config)
 
     server: _DrainingServer | None = None
