@@ -11,7 +11,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     device: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    # Sequences decoded at once. None: what the KV cache holds at max_model_len, in [256, 1024]
+    # (turnout/engine/concurrency.py), resolved once the cache is sized
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; CPU default 1 GiB
@@ -69,6 +71,9 @@ class EngineConfig:
     # "fp8": quantise an unquantised checkpoint's linear weights at load (per-channel scales, activations per
     # token; turnout/quant). None: as the checkpoint is (an fp8 checkpoint's quantization_config is read anyway).
     quantization: str | None = None
+    # The KV cache's storage: "auto" (the model's dtype) or "fp8" (e4m3fn with per-layer k/v scales: half the
+    # bytes per token, twice the tokens; turnout/ops/kv_cache.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         def bad(field, why):
@@ -78,8 +83,11 @@ class EngineConfig:
             bad("dtype", f"unknown dtype {self.dtype!r} (auto, float32, float16, bfloat16)")
         if self.max_model_len is not None and self.max_model_len < 1:
             bad("max_model_len", f"must be >= 1, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool) or not isinstance(
+                self.max_num_seqs, int) or self.max_num_seqs < 1):
+            bad("max_num_seqs", f"must be an integer >= 1 or None (auto), got {self.max_num_seqs!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            bad("kv_cache_dtype", f"unknown KV cache dtype {self.kv_cache_dtype!r} (auto, fp8)")
         if self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -23,7 +23,9 @@ def test_graph_buckets():
     assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
     b = graph_buckets(256)
     assert b[:5] == [1, 2, 4, 8, 16] and b[-1] == 256 and all(y - x == 8 for x, y in zip(b[3:], b[4:]))
-    assert graph_buckets(4096)[-1] == 512  # capped
+    assert graph_buckets(4096)[-1] == 1024  # capped (the largest default max_num_seqs)
+    b = graph_buckets(1024)  # above 256 in steps of 32: 59 captures
+    assert len(b) == 59 and b[34] == 256 and all(y - x == 32 for x, y in zip(b[34:], b[35:]))
     assert graph_buckets(100, max_bucket=32)[-1] == 32
 
 

@@ -43,14 +43,20 @@ from turnout.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly: launch overhead is amortised there
+# Larger decode batches run eagerly: launch overhead is amortised there. 1024 is the largest default
+# max_num_seqs (turnout/engine/concurrency.py), so a default engine replays every decode batch.
+MAX_GRAPH_BATCH = 1024
+# Up to here every multiple of 8 is captured; above, every multiple of 32 (a padded lane costs a 32nd of a
+# step's batch at most there, and the capture count stays bounded: 59 graphs for 1024, 43 for 512)
+FINE_GRAPH_BATCH = 256
 
 
 def graph_buckets(max_num_seqs: int, max_bucket: int = MAX_GRAPH_BATCH) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, then every multiple of 8, up to min(max_num_seqs, max_bucket),
-    which is always the last bucket."""
+    """Batch sizes to capture: 1, 2, 4, every multiple of 8 up to 256, then every multiple of 32, up to
+    min(max_num_seqs, max_bucket), which is always the last bucket."""
     top = max(1, min(int(max_num_seqs), int(max_bucket)))
-    sizes = {b for b in (1, 2, 4) if b < top} | set(range(8, top, 8)) | {top}
+    sizes = {b for b in (1, 2, 4) if b < top} | set(range(8, min(top, FINE_GRAPH_BATCH + 1), 8))
+    sizes |= set(range(FINE_GRAPH_BATCH + 32, top, 32)) | {top}
     return sorted(sizes)
 
 

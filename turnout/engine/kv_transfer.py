@@ -158,7 +158,8 @@ class KVTransfer:
         r = self.runner
         pin = r.device.type == "cuda"  # DMA straight from / to the pages; plain (lazily touched) memory on CPU
         shape = (n, r.block_size, r.num_kv_heads, r.head_dim)
-        return [(torch.empty(shape, dtype=r.dtype, pin_memory=pin), torch.empty(shape, dtype=r.dtype, pin_memory=pin))
+        return [(torch.empty(shape, dtype=r.kv_dtype, pin_memory=pin),  # the device cache's dtype (fp8 too)
+                 torch.empty(shape, dtype=r.kv_dtype, pin_memory=pin))
                 for _ in range(r.num_layers)]
 
     def _sync(self) -> None:

@@ -15,7 +15,7 @@ from turnout.engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, load_format: str = "auto", seed: int = 0,
                  ops_policy: str | None = None, block_size: int = 16, enforce_eager: bool = False,
@@ -27,7 +27,7 @@ class LLM:
                  enable_expert_parallel: bool = False, nnodes: int = 1, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int = 29500, ray_address: str | None = None,
                  preemption_mode: str = "auto", swap_space: float = 4.0, kv_offload_gb: float = 0.0,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
@@ -43,7 +43,8 @@ class LLM:
                                    node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                                    ray_address=ray_address,
                                    preemption_mode=preemption_mode, swap_space=swap_space,
-                                   kv_offload_gb=kv_offload_gb, quantization=quantization)
+                                   kv_offload_gb=kv_offload_gb, quantization=quantization,
+                                   kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         self._gate = GenerationGate(self.engine)  # pause / abort from another thread (turnout/engine/rl.py)

@@ -8,6 +8,7 @@ stops, RequestOutput). This class wires them together and keeps the public API.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -74,6 +75,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or _display_name(config.model, loaded)
         self.max_model_len = _context_limit(config.max_model_len, loaded)
         self.runner = self.executor.runner  # rank 0's ModelRunner: the core drives it
+        # max_num_seqs=None: the runner chose it when it sized the cache (turnout/engine/concurrency.py)
+        self.config = config = dataclasses.replace(config, max_num_seqs=self.runner.max_num_seqs)
         xfer = self.runner.kv_transfer  # the KV tiers' host pools and preemption mode (engine/kv_transfer.py)
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
                                           swap_blocks=xfer.num_swap_blocks, offload_blocks=xfer.num_offload_blocks)

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from turnout.engine.concurrency import default_max_num_seqs, profile_rows
 from turnout.engine.cuda_graphs import maybe_capture
 from turnout.engine.kv_transfer import KVTransfer, LayerGatedCaches
 from turnout.engine.prompt_logprobs import compute_chunks, merge_rows, prompt_rows
@@ -63,13 +64,19 @@ class ModelRunner:
             use_k_major_weights(self.model)  # faster CPU GEMMs for decode-shaped batches (a re-layout of loaded weights)
         # The decode fusions were fixed when the model was built (its fusion plan, turnout/layers/fusion.py).
         logger.info("decode fusions: %s", self.model.plan.describe())
+        # The cache's storage dtype (turnout/ops/kv_cache.py): the model's, or float8_e4m3fn (bytes per token halve)
+        self.kv_dtype = self._kv_dtype()
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
-        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
-                    self.num_blocks * self.block_bytes / 2**30, self.dtype)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(self.num_layers)]
+        if config.max_num_seqs is None:  # what the cache holds at max_model_len (turnout/engine/concurrency.py)
+            self.config = config = dataclasses.replace(config, max_num_seqs=default_max_num_seqs(
+                self.num_blocks, self.block_size, self.max_model_len))
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s); max_num_seqs %d", self.num_blocks,
+                    self.block_size, self.num_blocks * self.block_bytes / 2**30,
+                    str(self.kv_dtype).replace("torch.", ""), config.max_num_seqs)
         # KV tiers: host caches, swap strategy, start-up measurements for preemption_mode auto (kv_transfer.py)
         self.kv_transfer = KVTransfer(self, config)
         self._swap_gate = None  # this step's swap-ins, passed layer by layer by the next forward
@@ -86,9 +93,22 @@ class ModelRunner:
         return self.platform.pdl_enabled(self.device)
 
     @property
+    def max_num_seqs(self) -> int:
+        """The sequences a step may hold: the config's, or the default chosen when the cache was sized."""
+        return self.config.max_num_seqs
+
+    @property
     def block_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _kv_dtype(self) -> torch.dtype:
+        from turnout.ops.kv_cache import cache_torch_dtype, check_fp8_storage
+
+        dtype = cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
+        if dtype != self.dtype:
+            check_fp8_storage(self.device, self.platform.name)
+        return dtype
 
     # ---- KV cache sizing -------------------------------------------------------------------
     def _plan_kv_blocks(self) -> int:
@@ -111,8 +131,8 @@ class ModelRunner:
         n = self.config.max_num_batched_tokens
         scratch_blocks = math.ceil(n / self.block_size) + 1
         shape = (scratch_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        scratch = [(torch.empty(shape, dtype=self.dtype, device=dev), torch.empty(shape, dtype=self.dtype, device=dev))
-                   for _ in range(self.num_layers)]
+        scratch = [(torch.empty(shape, dtype=self.kv_dtype, device=dev),
+                    torch.empty(shape, dtype=self.kv_dtype, device=dev)) for _ in range(self.num_layers)]
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -124,7 +144,7 @@ class ModelRunner:
             max_query_len=n, max_seq_len=n)
         with torch.inference_mode():
             hidden = self.model(ids, torch.arange(n, device=dev), scratch, meta)
-            self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+            self.model.compute_logits(hidden[-profile_rows(self.config):])
         torch.cuda.synchronize(dev)
         scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
         peak = torch.cuda.max_memory_allocated(dev) - scratch_bytes

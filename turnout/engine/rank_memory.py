@@ -157,8 +157,8 @@ class RankMemory:
                                "update_weights writes them")
         if "kv_cache" in tags and self.kv_asleep:
             shape = (r.num_blocks, r.block_size, r.num_kv_heads, r.head_dim)  # [num_blocks, block_size, Hk, D]
-            r.kv_caches = [(torch.zeros(shape, dtype=r.dtype, device=r.device),
-                            torch.zeros(shape, dtype=r.dtype, device=r.device)) for _ in range(r.num_layers)]
+            r.kv_caches = [(torch.zeros(shape, dtype=r.kv_dtype, device=r.device),
+                            torch.zeros(shape, dtype=r.kv_dtype, device=r.device)) for _ in range(r.num_layers)]
             self.kv_asleep = False
         if not self.is_sleeping and r.graphs is None:
             from turnout.engine.cuda_graphs import maybe_capture

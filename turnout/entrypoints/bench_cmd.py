@@ -128,7 +128,7 @@ def build_llm(args, batch: int):
     if bundled and load_format == "auto":
         load_format = "dummy"
     on_gpu = _on_gpu(args.device)
-    max_seqs = args.max_num_seqs or (batch if args.bench == "latency" else 256)
+    max_seqs = args.max_num_seqs or (batch if args.bench == "latency" else None)  # None: what the cache holds
     max_tokens = args.max_num_batched_tokens
     if max_tokens is None:
         max_tokens = (min(max(2048, batch * args.input_len), 32768) if args.bench == "latency"
@@ -143,6 +143,7 @@ def build_llm(args, batch: int):
               tokenizer=bench_tokenizer(path), tensor_parallel_size=args.tensor_parallel_size,
               **distributed_kwargs(args),
               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype,
               batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
     return llm, path, load_format, time.perf_counter() - t0

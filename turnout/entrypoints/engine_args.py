@@ -43,7 +43,10 @@ def distributed_kwargs(args) -> dict:
 
 
 def add_quantization_arg(p) -> None:
-    """--quantization (turnout/quant)."""
+    """--quantization (turnout/quant), --kv-cache-dtype (turnout/ops/kv_cache.py)."""
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: quantise the linear weights of an unquantised checkpoint at load (per-channel "
                         "scales, activations per token); an fp8 checkpoint is read as it is without it")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 with per-layer k/v scales, 1.0 "
+                        "or the checkpoint's: half the bytes per token, twice the tokens held)")

@@ -49,6 +49,7 @@ def run(args) -> int:
               async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
               **distributed_kwargs(args),
               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype,
               batch_invariant=args.batch_invariant,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
     engine = llm.engine

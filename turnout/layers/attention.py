@@ -31,10 +31,31 @@ class AttentionMetadata:
         return int(self.seq_lens.shape[0])
 
 
+def _scale_loader(param: torch.Tensor, tensor: torch.Tensor, shard_id=None) -> None:
+    """A checkpoint's per-tensor k_scale / v_scale (a scalar or one element) into its [1] float32 parameter."""
+    if tensor.numel() != 1:
+        raise ValueError(f"a KV cache scale must have one element (per-tensor), got shape {tuple(tensor.shape)}; "
+                         "per-head scales are not supported yet")
+    param.data.copy_(tensor.reshape(1).to(param.dtype))
+
+
+def _kv_scale() -> nn.Parameter:
+    """A per-tensor fp8 KV scale, 1.0 unless the checkpoint has one: optional in a checkpoint (no shard ids to
+    wait for, turnout/models/weight_map.py), kept at 1.0 by dummy weights, float32 whatever the model's dtype."""
+    p = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+    p.shard_ids = ()
+    p.weight_loader = _scale_loader
+    p.dummy_init = lambda param, gen, std: param.fill_(1.0)
+    return p
+
+
 class Attention(nn.Module):
     """Causal GQA attention over a paged KV cache: ``ops.reshape_and_cache`` then ``ops.paged_attention``.
 
-    No parameters: the projections live in the model's attention block.
+    No weights: the projections live in the model's attention block. With an fp8 KV cache (the op table's
+    policy says ``kv_cache=fp8``: turnout/ops/kv_cache.py) it holds ``k_scale`` / ``v_scale``, [1] float32
+    parameters (1.0, or a checkpoint's ``self_attn.k_scale`` / ``v_scale``), which every cache op gets:
+    ``cache_kwargs``, also passed by the model's fused decode paths.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops):
@@ -44,6 +65,14 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.ops = ops
+        self.fp8_kv = getattr(getattr(ops, "policy", None), "kv_cache", "auto") == "fp8"
+        if self.fp8_kv:
+            self.k_scale, self.v_scale = _kv_scale(), _kv_scale()
+
+    @property
+    def cache_kwargs(self) -> dict:
+        """The keywords of every op that writes or reads the cache: the fp8 scales, or none."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale} if self.fp8_kv else {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -54,11 +83,13 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hk, D] each
         # Kernels index q with dense strides; copying here is cheaper than a wrong answer.
         q = q.contiguous()
+        kw = self.cache_kwargs
         if not cache_written:
-            self.ops.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+            self.ops.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping, **kw)
         return self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
-                                        self.scale)
+                                        self.scale, **kw)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+                + (", kv_cache=fp8" if self.fp8_kv else ""))

@@ -74,10 +74,12 @@ class RotaryEmbedding(nn.Module):
         self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
 
     def with_qk_norm(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm,
-                     v: torch.Tensor | None = None, kv_cache=None, slot_mapping: torch.Tensor | None = None) -> None:
+                     v: torch.Tensor | None = None, kv_cache=None, slot_mapping: torch.Tensor | None = None,
+                     **cache_kwargs) -> None:
         """Per-head RMSNorm of q and k (the RMSNorm modules' weights and eps), then RoPE: one op,
         ``qk_norm_rotary``, in place. Given ``v``, ``kv_cache`` (k_cache, v_cache) and ``slot_mapping``,
-        the op is ``qk_norm_rotary_cache``, which also writes the new k and v into the cache."""
+        the op is ``qk_norm_rotary_cache``, which also writes the new k and v into the cache
+        (``cache_kwargs``: an fp8 cache's scales, Attention.cache_kwargs)."""
         if q_norm.eps != k_norm.eps:
             raise ValueError(f"q_norm and k_norm eps differ ({q_norm.eps} vs {k_norm.eps})")
         if kv_cache is None:
@@ -85,7 +87,8 @@ class RotaryEmbedding(nn.Module):
                                     self.is_neox)
         else:
             self.ops.qk_norm_rotary_cache(positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps,
-                                          self.cos_sin_cache, self.is_neox, kv_cache[0], kv_cache[1], slot_mapping)
+                                          self.cos_sin_cache, self.is_neox, kv_cache[0], kv_cache[1], slot_mapping,
+                                          **cache_kwargs)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "

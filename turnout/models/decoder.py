@@ -96,7 +96,8 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ops)
         # plan.rope_attention: at decode, q/k norm, RoPE, the cache write and attention in one kernel (the
         # rotary_paged_attention op); None: the separate ops. (benchmarks/decode_ablation.py swaps it out.)
-        self.rope_attention = (lambda *args: ops.rotary_paged_attention(*args)) if plan.rope_attention else None
+        self.rope_attention = (lambda *args, **kw: ops.rotary_paged_attention(*args, **kw)) if plan.rope_attention \
+            else None
 
     takes_pending_norm = True  # qkv_proj may compute the layer's pre-norm (PendingNorm)
 
@@ -113,9 +114,10 @@ class DecoderAttention(nn.Module):
                 self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 0.0,
                 self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox, kv_cache[0], kv_cache[1], meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
-                self.attn.scale)
+                self.attn.scale, **self.attn.cache_kwargs)
         elif self.qk_norm:  # per-head norms, then RoPE, in place in the fused qkv; k and v into the cache
-            self.rotary_emb.with_qk_norm(positions, q, k, self.q_norm, self.k_norm, v, kv_cache, meta.slot_mapping)
+            self.rotary_emb.with_qk_norm(positions, q, k, self.q_norm, self.k_norm, v, kv_cache, meta.slot_mapping,
+                                         **self.attn.cache_kwargs)
             out = self.attn(q, k, v, kv_cache, meta, cache_written=True)  # [T, Hq, D]
         else:
             self.rotary_emb(positions, q, k)

@@ -29,12 +29,17 @@ from torch import nn
 
 from turnout.layers.weights import default_weight_loader
 
-# Derived buffers some checkpoints carry; never parameters of ours.
-ALWAYS_IGNORED = (r"(^|\.)rotary_emb\.inv_freq$", r"(^|\.)rotary_emb\.(cos|sin)_cached$")
+# Derived buffers some checkpoints carry; never parameters of ours. A checkpoint's fp8 KV cache scales
+# (self_attn.k_scale / v_scale, compressed-tensors' k_proj / v_proj.output_scale) load into the attention layer's
+# k_scale / v_scale (KV_SCALE_RULES) where it has them (kv_cache_dtype fp8), and are dropped otherwise.
+ALWAYS_IGNORED = (r"(^|\.)rotary_emb\.inv_freq$", r"(^|\.)rotary_emb\.(cos|sin)_cached$",
+                  r"(^|\.)self_attn\.(k|v)_scale$", r"(^|\.)self_attn\.(k|v)_proj\.output_scale$")
+KV_SCALE_RULES = ((r"(^|\.)self_attn\.(k|v)_scale$", r"\g<1>self_attn.attn.\g<2>_scale", None),
+                  (r"(^|\.)self_attn\.(k|v)_proj\.output_scale$", r"\g<1>self_attn.attn.\g<2>_scale", None))
 
 
 def _compile_rules(model: nn.Module) -> list[tuple[re.Pattern, str, Any]]:
-    rules = [(re.compile(p), repl, sid) for p, repl, sid in getattr(model, "weight_name_rules", ())]
+    rules = [(re.compile(p), repl, sid) for p, repl, sid in (*KV_SCALE_RULES, *getattr(model, "weight_name_rules", ()))]
     for packed, parts in getattr(model, "packed_modules_mapping", {}).items():
         for part, sid in parts:
             rules.append((re.compile(rf"(^|\.){re.escape(part)}(\.)"), rf"\g<1>{packed}\g<2>", sid))

@@ -39,6 +39,11 @@ TRITON_TARGETS.update({"rms_norm": "norm:rms_norm", "fused_add_rms_norm": "norm:
 TRITON_TARGETS = {op: t if t.startswith("turnout.") else f"turnout.ops.triton.{t}" for op, t in TRITON_TARGETS.items()}
 
 
+# the fp8 KV cache (turnout/ops/kv_cache.py): the default Triton cache write handles it; the invariant attention
+# kernel does not (its reference.batch_invariant twin serves then)
+TRITON_FP8_KV = {"qk_norm_rotary_cache": True}
+
+
 def specs() -> list:
     """The op this mode adds to the table: ``linear`` (turnout/ops/reference/matmul.py)."""
     from turnout.ops.reference.matmul import LINEAR
@@ -50,14 +55,20 @@ def _triton_check(platform):
     return platform.triton_usable()
 
 
+def _triton_fp8_kv(platform):
+    from turnout.ops.triton import fp8_kv_check
+
+    return fp8_kv_check(platform)
+
+
 def register(view) -> None:
     """Built-in batch-invariant implementations. Outside the mode nothing changes: they rank below every other
     implementation of their family (priority), and the Triton ones below the reference too (``below``, which
     the dispatch ignores for an op under ``invariant=``), so the default order picks what it picked before."""
     for op in INVARIANT_OPS:
         view.add_impl(Impl(op=op, id="reference.batch_invariant", target=f"{_REF}:{op}", priority=-2000,
-                           batch_invariant=True))
+                           batch_invariant=True, kv_fp8=True))  # fp8 caches: dequantised element-wise first
     for op, target in TRITON_TARGETS.items():
         view.add_impl(Impl(op=op, id="triton.batch_invariant", target=target,
                            platforms=(TRITON_PLATFORMS,), priority=-2000, check=_triton_check, below=("reference",),
-                           batch_invariant=True))
+                           batch_invariant=True, kv_fp8=_triton_fp8_kv if TRITON_FP8_KV.get(op) else False))

@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
+from turnout.ops.kv_cache import FP8_KV_OPS, handles_fp8
 from turnout.ops.policy import Policy
 from turnout.ops.registry import Registry, default_registry
 from turnout.ops.spec import Impl
@@ -110,9 +111,12 @@ def _order(op: str, impls: list[Impl], platform, policy: Policy) -> tuple[list[I
                     for i in ordered if not i.serves(platform)]
         ordered = [i for i in ordered if i.serves(platform)]
     kept = []
+    fp8_kv = policy.kv_cache == "fp8" and op in FP8_KV_OPS
     for i in ordered:
         if op in policy.invariant and not i.batch_invariant:
             excluded.append((i, f"not batch-invariant (policy {policy.source} wants invariant {op})"))
+        elif fp8_kv and not handles_fp8(i, platform)[0]:
+            excluded.append((i, handles_fp8(i, platform)[1]))
         elif policy.is_denied(i.id):
             excluded.append((i, f"denied by policy ({policy.source})"))
         else:

@@ -10,6 +10,8 @@ Grammar (clauses separated by ';', whitespace around names ignored, each key at 
     invariant=<op>,...|all          only implementations tagged ``batch_invariant`` serve these ops (batch-
                                     invariant mode; "all": every op the mode needs, turnout/ops/batch_invariant.py);
                                     an op none serves here is a start-up error naming the op and what was tried
+    kv_cache=auto|fp8               fp8: the KV cache is float8_e4m3fn; only implementations declaring
+                                    ``kv_fp8`` serve the ops that touch it (turnout/ops/kv_cache.py)
     <op>.<choice>=<value>           fix a decision an implementation makes inside itself (``Choice``),
                                     e.g. ``moe_experts.kernel=grouped``, ``paged_attention.num_splits=1``;
                                     ``auto`` is the implementation's own (measured) decision
@@ -19,7 +21,8 @@ Lists take '|' or ','. Example: ``rms_norm=triton.default|reference.torch;deny=v
 Layers, each on top of the one before: the platform's default (``Platform.ops_policy``), the engine
 config's ``ops_policy``, then ``TURNOUT_OPS``. A later layer replaces ``prefer``, ``strict`` and the
 order of each op it names, and each choice it sets; ``deny`` and ``invariant`` lists add up. The engine's
-``batch_invariant`` setting is one more layer, ``invariant=all``, on top (``Policy.for_config``). Read once, at engine start;
+``batch_invariant`` setting is one more layer, ``invariant=all``, on top (``Policy.for_config``), and its
+``kv_cache_dtype`` one more, ``kv_cache=<dtype>``. Read once, at engine start;
 never in a hot path.
 """
 
@@ -32,7 +35,7 @@ from turnout import envs
 from turnout.ops.spec import KNOWN_FAMILIES
 
 ENV_VAR = "TURNOUT_OPS"
-RESERVED_KEYS = ("prefer", "deny", "strict", "invariant")
+RESERVED_KEYS = ("prefer", "deny", "strict", "invariant", "kv_cache")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -51,6 +54,7 @@ class Policy:
     # op -> choice name -> (value as written, the layer that set it)
     choices: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
     invariant: frozenset[str] = frozenset()  # ops only batch-invariant implementations may serve
+    kv_cache: str = "auto"  # the KV cache's dtype: "fp8" narrows the cache ops' candidates (kv_cache.py)
 
     @property
     def batch_invariant(self) -> bool:
@@ -66,6 +70,7 @@ class Policy:
         pol = base or cls()
         prefer, per_op, deny, strict = pol.prefer, dict(pol.per_op), set(pol.deny), pol.strict
         invariant = set(pol.invariant)
+        kv_cache = pol.kv_cache
         choices = {op: dict(c) for op, c in pol.choices.items()}
         seen: set[str] = set()
         for raw in (text or "").split(";"):
@@ -87,6 +92,11 @@ class Policy:
                 if low not in _TRUE + _FALSE:
                     raise PolicyError(f"{source}: strict must be 0 or 1, got {value!r}")
                 strict = low in _TRUE
+                continue
+            if key == "kv_cache":
+                if value not in ("auto", "fp8"):
+                    raise PolicyError(f"{source}: kv_cache must be auto or fp8, got {value!r}")
+                kv_cache = value
                 continue
             if key == "invariant":
                 from turnout.ops.batch_invariant import INVARIANT_OPS
@@ -132,7 +142,7 @@ class Policy:
                 per_op[key] = items
         src = source if pol.source == "default" else f"{pol.source}+{source}"
         return replace(pol, prefer=prefer, per_op=per_op, deny=frozenset(deny), strict=strict, source=src,
-                       choices=choices, invariant=frozenset(invariant))
+                       choices=choices, invariant=frozenset(invariant), kv_cache=kv_cache)
 
     @classmethod
     def from_sources(cls, config_text: str | None = None, env: dict | None = None,
@@ -156,6 +166,8 @@ class Policy:
         pol = cls.from_sources(config.ops_policy, env=env, platform=platform)
         if getattr(config, "batch_invariant", False):
             pol = cls.parse("invariant=all", source="batch_invariant", base=pol)
+        if getattr(config, "kv_cache_dtype", "auto") != "auto":
+            pol = cls.parse(f"kv_cache={config.kv_cache_dtype}", source="kv_cache_dtype", base=pol)
         return pol
 
     def validate(self, registry) -> None:
@@ -223,4 +235,6 @@ class Policy:
             parts.append("invariant=all")
         elif self.invariant:
             parts.append("invariant=" + ",".join(sorted(self.invariant)))
+        if self.kv_cache != "auto":
+            parts.append(f"kv_cache={self.kv_cache}")
         return ";".join(parts) or "(platform default)"

@@ -166,6 +166,10 @@ class Impl:
     # only such implementations serve an op the policy lists under ``invariant=`` (batch-invariant mode,
     # turnout/ops/batch_invariant.py); tests/ops/test_batch_invariant_ops.py holds them to it.
     batch_invariant: bool = False
+    # For the ops that read or write the KV cache (turnout/ops/kv_cache.py: FP8_KV_OPS): whether it handles an
+    # fp8 (e4m3fn) cache with k_scale / v_scale; True, or a check(platform) -> (ok, why). Under kv_cache=fp8
+    # only those serve (the reference always does).
+    kv_fp8: bool | Callable[[Any], tuple[bool, str]] = False
 
     def __post_init__(self):
         if not isinstance(self.id, str) or not _ID_RE.match(self.id):

@@ -8,7 +8,8 @@ from turnout.ops.spec import OpSpec, SampleCase
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new query tokens over a paged KV cache (prefill with a cached prefix, and decode).
 
     query: [T, Hq, D], the new tokens of B sequences packed back to back; query_start_loc [B+1] int32
@@ -17,8 +18,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_lens: [B] int32, total tokens per sequence (cached + new). The i-th new token of sequence b sits
     at position seq_lens[b] - q_len_b + i and attends to positions 0..that position. Hq is a multiple
     of Hk (GQA). max_query_len / max_seq_len bound the lengths (host ints, so kernels need no sync).
-    Returns [T, Hq, D] in query's dtype; softmax in float32.
+    Returns [T, Hq, D] in query's dtype; softmax in float32. An fp8 cache (turnout/ops/kv_cache.py) is read
+    as fp8 * k_scale / v_scale ([1] float32 each).
     """
+    from turnout.ops.reference.cache import from_cache
+
     out = torch.empty_like(query)
     bs = k_cache.shape[1]
     hq, hk = query.shape[1], k_cache.shape[2]
@@ -31,8 +35,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         nblk = (kv_len + bs - 1) // bs
         blocks = block_tables[b, :nblk].long()
-        k = k_cache[blocks].reshape(nblk * bs, hk, -1)[:kv_len].float()
-        v = v_cache[blocks].reshape(nblk * bs, hk, -1)[:kv_len].float()
+        k = from_cache(k_cache[blocks].reshape(nblk * bs, hk, -1)[:kv_len], k_scale)
+        v = from_cache(v_cache[blocks].reshape(nblk * bs, hk, -1)[:kv_len], v_scale)
         k = k.repeat_interleave(hq // hk, dim=1)
         v = v.repeat_interleave(hq // hk, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
@@ -77,7 +81,8 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
                            cos_sin_cache: torch.Tensor, is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """An attention block's middle as one op: per-head RMSNorm of q and k (when ``q_weight`` / ``k_weight``
     are given; both or neither), RoPE, the new k and v into the paged cache, then ``paged_attention``.
 
@@ -95,9 +100,9 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
         qk_norm_rotary(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, is_neox)
     else:
         rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
-    reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
+    reshape_and_cache(k, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                           scale)
+                           scale, k_scale, v_scale)
 
 
 def _rotary_samples(device, dtype, gen):

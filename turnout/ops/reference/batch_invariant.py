@@ -101,9 +101,10 @@ def qk_norm_rotary(positions, query, key, q_weight, k_weight, eps, cos_sin_cache
 
 
 def qk_norm_rotary_cache(positions, query, key, value, q_weight, k_weight, eps, cos_sin_cache, is_neox, k_cache,
-                         v_cache, slot_mapping) -> None:
+                         v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     qk_norm_rotary(positions, query, key, q_weight, k_weight, eps, cos_sin_cache, is_neox)
-    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)  # a copy: exact whatever the batch
+    # a copy (or an element-wise fp8 quantisation): exact whatever the batch
+    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None):
@@ -137,8 +138,10 @@ def select_experts(router_logits, top_k, *args, **kwargs):
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                    scale) -> torch.Tensor:
-    """The contract of turnout/ops/reference/attention.py, with the fixed reduction of the module docstring."""
+                    scale, k_scale=None, v_scale=None) -> torch.Tensor:
+    """The contract of turnout/ops/reference/attention.py, with the fixed reduction of the module docstring
+    (an fp8 cache dequantised element-wise first: the reduction is unchanged)."""
+    from turnout.ops.reference.cache import from_cache
     out = torch.empty_like(query)
     bs, hk, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     hq = query.shape[1]
@@ -154,8 +157,8 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
         padded = (kv_len + KV_BLOCK - 1) // KV_BLOCK * KV_BLOCK
         k = torch.zeros(padded, hk, d, dtype=torch.float32, device=dev)  # keys past kv_len: zeros, masked
         v = torch.zeros(padded, hk, d, dtype=torch.float32, device=dev)
-        k[:kv_len] = k_cache[blocks].reshape(nblk * bs, hk, d)[:kv_len]
-        v[:kv_len] = v_cache[blocks].reshape(nblk * bs, hk, d)[:kv_len]
+        k[:kv_len] = from_cache(k_cache[blocks].reshape(nblk * bs, hk, d)[:kv_len], k_scale)
+        v[:kv_len] = from_cache(v_cache[blocks].reshape(nblk * bs, hk, d)[:kv_len], v_scale)
         k, v = k.permute(1, 2, 0).contiguous(), v.permute(1, 0, 2).contiguous()  # [Hk, D, P], [Hk, P, D]
         first = kv_len - q_len  # position of the sequence's first new token
         for start, n in _tiles(q_len):
@@ -183,7 +186,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
 
 def rotary_paged_attention(positions, query, key, value, q_weight, k_weight, eps, cos_sin_cache, is_neox, k_cache,
                            v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len,
-                           max_seq_len, scale) -> torch.Tensor:
+                           max_seq_len, scale, k_scale=None, v_scale=None) -> torch.Tensor:
     if (q_weight is None) != (k_weight is None):
         raise ValueError("rotary_paged_attention: give both q_weight and k_weight, or neither")
     q, k = query.clone(), key.clone()
@@ -191,9 +194,9 @@ def rotary_paged_attention(positions, query, key, value, q_weight, k_weight, eps
         qk_norm_rotary(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, is_neox)
     else:
         rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
-    reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
+    reshape_and_cache(k, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                           scale)
+                           scale, k_scale, v_scale)
 
 
 def combine_slots(pair_out: torch.Tensor) -> torch.Tensor:

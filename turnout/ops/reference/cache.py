@@ -1,18 +1,36 @@
 import torch
 
+from turnout.ops.kv_cache import FP8_KV, FP8_KV_MAX
 from turnout.ops.reference._util import randint, randn
 from turnout.ops.spec import OpSpec, SampleCase
 
 
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Values as the cache stores them: a cast, or for an fp8 cache (turnout/ops/kv_cache.py) x / scale in
+    float32 (scale [1] f32, None: 1), clamped to e4m3's +-448 and rounded to nearest even."""
+    if cache_dtype != FP8_KV:
+        return x.to(cache_dtype)
+    y = x.float() if scale is None else x.float() / scale.float()
+    return y.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV)
+
+
+def from_cache(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache values in float32: an fp8 cache's times its scale (None: 1)."""
+    y = x.float()
+    return y if x.dtype != FP8_KV or scale is None else y * scale.float()
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Write key/value [T, Hk, D] into the paged caches [num_blocks, block_size, Hk, D] at
-    slot_mapping [T] (slot = block * block_size + offset). Slot -1 means skip (padding)."""
+    slot_mapping [T] (slot = block * block_size + offset). Slot -1 means skip (padding).
+    An fp8 cache stores ``to_cache(key, fp8, k_scale)`` (k_scale / v_scale: [1] float32)."""
     nb, bs = k_cache.shape[:2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(nb * bs, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(nb * bs, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    k_cache.view(nb * bs, *k_cache.shape[2:])[slots] = to_cache(key[keep], k_cache.dtype, k_scale)
+    v_cache.view(nb * bs, *v_cache.shape[2:])[slots] = to_cache(value[keep], v_cache.dtype, v_scale)
 
 
 def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:

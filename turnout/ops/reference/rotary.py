@@ -44,12 +44,13 @@ def qk_norm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tens
 def qk_norm_rotary_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
                          is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:
+                         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> None:
     """``qk_norm_rotary`` then ``reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)``: the whole
     attention prologue of a q/k-norm model before paged attention (value [T, Hk, D] may be a strided view of
-    the fused qkv; slot -1 is padding and writes nothing)."""
+    the fused qkv; slot -1 is padding and writes nothing). k_scale / v_scale: an fp8 cache's (reshape_and_cache)."""
     qk_norm_rotary(positions, query, key, q_weight, k_weight, eps, cos_sin_cache, is_neox)
-    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def make_cos_sin_cache(rot_dim: int, max_position: int, base: float = 10000.0) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Portable Triton kernels. Registered lazily: ``triton`` is imported only when a kernel is probed."""
 
+from turnout.ops.kv_cache import FP8_KV_OPS
 from turnout.ops.spec import TRITON_PLATFORMS, Choice, Impl
 
 
@@ -57,6 +58,12 @@ def _fp8_check(platform):
     return check(platform)
 
 
+def fp8_kv_check(platform):
+    """The fp8 KV cache (every op of kv_cache.FP8_KV_OPS has it here): Triton converts to and from e4m3fn only
+    on targets with fp8 units (sm89+), so the fp8 GEMMs' check."""
+    return _fp8_check(platform)
+
+
 def _attn_note() -> str:
     from turnout import envs
 
@@ -98,4 +105,4 @@ def register(registry) -> None:
         registry.add_impl(Impl(op=op, id="triton.default", target=f"turnout.ops.triton.{target}",
                                platforms=(TRITON_PLATFORMS,), priority=0,
                                check=_fp8_check if op in FP8_OPS else _check, choices=CHOICES.get(op, ()),
-                               pays=PAYS.get(op)))
+                               pays=PAYS.get(op), kv_fp8=fp8_kv_check if op in FP8_KV_OPS else False))

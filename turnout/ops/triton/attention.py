@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
+from turnout.ops.triton.cache import ROUND_FP8, fp8_kv_args, quantize_kv
 from turnout.ops.triton._tuning import attn_decode
 
 LOG2E = 1.4426950408889634
@@ -81,17 +82,20 @@ def _paged_attn_kernel(
         qk_scale, num_splits,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_bt, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
-        POS, CS, QW, KW, KN, VN, SLOTS, eps, stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
+        POS, CS, QW, KW, KN, VN, SLOTS, eps, stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh, KS, VS,
         G: tl.constexpr, G_TILE: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, HEAD_D: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
         HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
-        ONE_TOKEN: tl.constexpr = False):
+        ONE_TOKEN: tl.constexpr = False, FP8_KV: tl.constexpr = False, ROUND: tl.constexpr = False):
     """With ROPE (decode, one new token per sequence): Q, KN and VN are the raw q, k and v of the new tokens;
     each program normalises and rotates its q rows itself, and the program whose KV range holds the new
     position also normalises, rotates and writes the new k and v into the cache before reading it.
     ONE_TOKEN (the host knows T == B and max_query_len == 1, so query_start_loc is 0, 1, 2, ...): sequence b's
-    token is token b, and the first loads (its length, position, slot, q) do not wait on query_start_loc."""
+    token is token b, and the first loads (its length, position, slot, q) do not wait on query_start_loc.
+    FP8_KV: the cache is e4m3fn with per-tensor scales KS / VS: a tile is upcast to q's dtype as it is loaded, the
+    key scale is folded into the score scale and the value scale into the final normalisation (exact: each is
+    one number), and the new k / v of the ROPE path are quantised as reshape_and_cache does."""
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -145,11 +149,14 @@ def _paged_attn_kernel(
                 v_new = tl.load(VN + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d, mask=d_ok)
                 blk, off = new_slot // BS, new_slot % BS
                 tl.store(K + blk * stride_kb + off * stride_ks + kvh * stride_kh + offs_d[None, :],
-                         k_new.to(K.dtype.element_ty), mask=d_ok[None, :])
+                         quantize_kv(k_new, KS, FP8_KV, ROUND).to(K.dtype.element_ty), mask=d_ok[None, :])
                 tl.store(V + blk * stride_vb + off * stride_vs + kvh * stride_vh + offs_d,
-                         v_new.to(V.dtype.element_ty), mask=d_ok)
+                         quantize_kv(v_new, VS, FP8_KV, ROUND).to(V.dtype.element_ty), mask=d_ok)
             tl.debug_barrier()  # the block's own cache writes are visible to all its threads before the loop
 
+        s_scale = qk_scale
+        if FP8_KV:
+            s_scale = qk_scale * tl.load(KS)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
@@ -169,7 +176,7 @@ def _paged_attn_kernel(
                 v_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_head + (page * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None],
                         mask=k_mask, other=0.0)  # [D_PAD, BLOCK_N]
-            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
+            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * s_scale
             s = tl.where(n_ok[None, :] & (offs_n[None, :] <= qpos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at 0
@@ -183,6 +190,8 @@ def _paged_attn_kernel(
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
+        if FP8_KV:
+            out = out * tl.load(VS)
         mask = row_ok[:, None] & d_ok[None, :]
         if SPLIT:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -254,10 +263,12 @@ def _tiles(max_query_len: int, group: int, head_dim: int) -> dict:
 def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          max_query_len: int, max_seq_len: int, scale: float,
-                         num_splits: int | None = None, rope: tuple | None = None) -> torch.Tensor:
+                         num_splits: int | None = None, rope: tuple | None = None, k_scale=None,
+                         v_scale=None) -> torch.Tensor:
     """paged_attention with the split count exposed (None: choose; 1: never split). ``rope`` (decode only):
     (positions, key, value, q_weight, k_weight, eps, cos_sin_cache, is_neox, slot_mapping) of
-    ``rotary_paged_attention``; then ``query`` is the raw q and the kernel does the rest."""
+    ``rotary_paged_attention``; then ``query`` is the raw q and the kernel does the rest. k_scale / v_scale:
+    an fp8 cache's (turnout/ops/kv_cache.py)."""
     num_tokens, hq, head_dim = query.shape
     out = torch.empty((num_tokens, hq, head_dim), dtype=query.dtype, device=query.device)
     batch = seq_lens.shape[0]
@@ -303,17 +314,19 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     else:
         rope_args = (query,) * 7 + (0.0,) + (0,) * 5
         rope_consts = dict(ROPE=False, HAS_NORM=False, IS_NEOX=True, ROT=1, HALF=1)
+    ks, vs, fp8 = fp8_kv_args(k_cache, k_scale, v_scale, query)
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, ws_o, ws_lse,
         scale * LOG2E, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0), ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0), ws_lse.stride(1),
-        *rope_args,
+        *rope_args, ks, vs,
         G=group, G_TILE=cfg["G_TILE"], NUM_HEAD_TILES=num_head_tiles, BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
         SPLIT=split, PRECISION=precision, **rope_consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        ONE_TOKEN=max_query_len == 1 and num_tokens == batch, **pdl_args(query, "attention"))
+        ONE_TOKEN=max_query_len == 1 and num_tokens == batch, FP8_KV=fp8, ROUND=fp8 and ROUND_FP8,
+        **pdl_args(query, "attention"))
     if split:
         _split_reduce_kernel[(num_tokens, hq)](
             ws_o, ws_lse, out, num_splits, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
@@ -324,13 +337,14 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+                    scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
+                    num_splits: int | None = None) -> torch.Tensor:
     """``num_splits`` (the policy's ``paged_attention.num_splits``, bound once by the op table): None chooses;
     it applies to decode only (prefill is never split)."""
     if max_query_len > _SPLIT_MAX_Q:
         num_splits = None
     return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                max_seq_len, scale, num_splits=num_splits)
+                                max_seq_len, scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
 
 
 def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -338,7 +352,8 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
                            cos_sin_cache: torch.Tensor, is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                           scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+                           scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           *, num_splits: int | None = None) -> torch.Tensor:
     """See turnout/ops/reference/attention.py. Decode (one new token per sequence): one attention kernel
     that also normalises and rotates q and the new k and writes k and v into the cache. Otherwise the
     separate kernels, on copies of q and k (the op leaves its inputs alone)."""
@@ -350,16 +365,16 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
         return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                                     max_seq_len, scale, num_splits=num_splits,
                                     rope=(positions, key, value, q_weight, k_weight, eps, cos_sin_cache, is_neox,
-                                          slot_mapping))
+                                          slot_mapping), k_scale=k_scale, v_scale=v_scale)
     from turnout.ops.triton.cache import reshape_and_cache
     from turnout.ops.triton.rotary import qk_norm_rotary_cache, rotary_embedding
 
     q, k = query.clone(), key.clone()
     if q_weight is not None:
         qk_norm_rotary_cache(positions, q, k, value, q_weight, k_weight, eps, cos_sin_cache, is_neox, k_cache,
-                             v_cache, slot_mapping)
+                             v_cache, slot_mapping, k_scale, v_scale)
     else:
         rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
-        reshape_and_cache(k, value.contiguous(), k_cache, v_cache, slot_mapping)
+        reshape_and_cache(k, value.contiguous(), k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                           scale, num_splits=num_splits)
+                           scale, k_scale, v_scale, num_splits=num_splits)

@@ -23,4 +23,4 @@ def register(registry) -> None:
     for op, target in OPS.items():
         if op in registry.ops:
             registry.add_impl(Impl(op=op, id="vendor.cpu", target=f"turnout.ops.vendors.cpu.{target}",
-                                   platforms=("cpu",), priority=0))
+                                   platforms=("cpu",), priority=0, kv_fp8=True))  # fp8 KV: every cache op here

@@ -35,7 +35,7 @@ def qk_norm_rotary(positions, query, key, q_weight, k_weight, eps: float, cos_si
 
 
 def qk_norm_rotary_cache(positions, query, key, value, q_weight, k_weight, eps: float, cos_sin_cache, is_neox: bool,
-                         k_cache, v_cache, slot_mapping) -> None:
+                         k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """The two CPU paths in a row: nothing to gain from one kernel here."""
     qk_norm_rotary(positions, query, key, q_weight, k_weight, eps, cos_sin_cache, is_neox)
-    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

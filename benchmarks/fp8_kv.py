@@ -1,0 +1,127 @@
+"""fp8 KV cache on the GPU (issue 23): tokens held, and decode attention bandwidth at batch 64 x 4096.
+
+Part 1, the kernel alone: the op table's ``paged_attention`` (Triton) at one decode step of ``--batch``
+sequences of ``--context`` tokens, Qwen3-8B's attention geometry (32 query heads, 8 KV heads, head dim 128),
+over a bf16 cache and over an fp8 cache (per-tensor scales). Reported: median time of ``--iters`` launches
+(CUDA events), the cache bytes a step reads and their rate (GB/s), beside a device copy of the same bytes.
+
+Part 2, tokens held: ``LLM(model, load_format="dummy")`` with kv_cache_dtype auto and fp8, each in its own process
+(one engine per process: the memory profile sees only its own), KV blocks, tokens, the default max_num_seqs.
+
+Then, for the throughput at the new default max_num_seqs (512 x 1024 in / 512 out), run:
+
+    turnout bench throughput --model Qwen/Qwen3-8B --load-format dummy --num-prompts 512 --input-len 1024 \\
+        --output-len 512 [--kv-cache-dtype fp8]
+
+Usage: python benchmarks/fp8_kv.py [--model Qwen/Qwen3-8B] [--batch 64] [--context 4096] [--out DIR]
+Writes fp8_kv.json in --out (default: the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+import torch
+
+
+def _time(fn, iters: int) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs (after 3 warm-ups), by CUDA events."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_part(batch: int, context: int, iters: int, hq=32, hk=8, d=128, bs=16) -> dict:
+    from turnout.ops import Policy, resolve
+    from turnout.ops.kv_cache import FP8_KV
+    from turnout.ops.reference.cache import to_cache
+    from turnout.platforms import detect_platform
+
+    platform = detect_platform("cuda")
+    dev = torch.device("cuda")
+    nblk = math.ceil(context / bs)
+    tables = torch.arange(batch * nblk, dtype=torch.int32, device=dev).view(batch, nblk)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=dev)
+    out = {"batch": batch, "context": context, "heads": [hq, hk, d]}
+    for name in ("bf16", "fp8"):
+        policy = Policy.parse("kv_cache=fp8" if name == "fp8" else "", source="bench")
+        ops = resolve(platform, policy, ops=["paged_attention"])
+        k = torch.randn(batch * nblk, bs, hk, d, dtype=torch.bfloat16, device=dev)
+        v = torch.randn_like(k)
+        kw = {}
+        if name == "fp8":
+            ks, vs = (torch.tensor([0.02], device=dev) for _ in range(2))
+            k, v = to_cache(k, FP8_KV, ks), to_cache(v, FP8_KV, vs)
+            kw = {"k_scale": ks, "v_scale": vs}
+        step = lambda: ops.paged_attention(q, k, v, tables, lens, qsl, 1, context, d ** -0.5, **kw)  # noqa: E731
+        ms = _time(step, iters)
+        nbytes = 2 * k.numel() * k.element_size()
+        flat = k.view(torch.uint8).flatten()
+        dst = torch.empty(2 * flat.numel(), dtype=torch.uint8, device=dev)
+        copy_ms = _time(lambda: (dst[:flat.numel()].copy_(flat), dst[flat.numel():].copy_(flat)), iters)
+        out[name] = {"impl": ops.chosen("paged_attention"), "ms": ms, "cache_bytes": nbytes,
+                     "GB_s": nbytes / ms / 1e6, "copy_GB_s": 2 * nbytes / copy_ms / 1e6}
+        del k, v, dst
+        torch.cuda.empty_cache()
+    out["fp8_speedup"] = out["bf16"]["ms"] / out["fp8"]["ms"]
+    return out
+
+
+def tokens_held_child(model: str, kv: str) -> dict:
+    from turnout import LLM
+
+    llm = LLM(model, load_format="dummy", kv_cache_dtype=kv, max_model_len=1536)
+    r = llm.engine.runner
+    return {"kv_cache_dtype": kv, "blocks": r.num_blocks, "tokens": r.num_blocks * r.block_size,
+            "GiB": r.num_blocks * r.block_bytes / 2**30, "max_num_seqs": llm.engine.config.max_num_seqs,
+            "graph_buckets": len(r.graphs.buckets) if r.graphs is not None else 0,
+            "graph_capture_s": r.graphs.capture_s if r.graphs is not None else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="Qwen/Qwen3-8B")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--skip-engines", action="store_true", help="only the kernel part")
+    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._child:  # part 2 in its own process
+        print("RESULT " + json.dumps(tokens_held_child(args.model, args._child)), flush=True)
+        return 0
+    result = {"kernel": kernel_part(args.batch, args.context, args.iters)}
+    print(json.dumps(result["kernel"], indent=1), flush=True)
+    if not args.skip_engines:
+        held = []
+        for kv in ("auto", "fp8"):
+            proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--_child", kv],
+                                  capture_output=True, text=True)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            held.append(json.loads(line[7:]) if line else {"kv_cache_dtype": kv, "error": proc.stderr[-2000:]})
+            print(json.dumps(held[-1]), flush=True)
+        result["tokens_held"] = held
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fp8_kv.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
