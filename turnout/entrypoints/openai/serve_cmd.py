@@ -151,7 +151,7 @@ def build_config(args):
         max_tokens_per_request=args.max_tokens_per_request, fair_share_seqs=args.fair_share_seqs or None,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         data_parallel_size=args.data_parallel_size, **_distributed_kwargs(args),
-        quantization=args.quantization, batch_invariant=args.batch_invariant,
+        quantization=args.quantization, batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
               preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
 
 
