@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,7 @@ class RankMemory:
     """Sleep state of one rank's model runner (weights, KV cache, decode graphs)."""
 
     def __init__(self, runner):
-        self.runner = runner
+        self.runner = weakref.proxy(runner)  # the runner owns this: no cycle keeping a dropped runner's memory
         self.weights_asleep = False
         self.kv_asleep = False
         self.weights_discarded = False  # woken from sleep(2): values undefined until an update writes them
