@@ -50,3 +50,28 @@ def add_quantization_arg(p) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 with per-layer k/v scales, 1.0 "
                         "or the checkpoint's: half the bytes per token, twice the tokens held)")
+
+
+def add_multinode_args(p, headless: bool = False) -> None:
+    """--nnodes, --node-rank, --master-addr, --master-port, --ray-address (turnout/executor/multinode.py,
+    ray_executor.py); ``headless`` adds serve's --headless (the nodes other than 0)."""
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines the -tp ranks span (-tp / nnodes ranks each); node 0 runs the engine, the "
+                        "others `turnout serve ... --headless`")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's place among the --nnodes (0: the engine)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="node 0's address on the cluster network: its rendezvous store listens there, and only there")
+    p.add_argument("--master-port", type=int, default=29500, help="the rendezvous port on --master-addr")
+    p.add_argument("--ray-address", default=None,
+                   help="the Ray cluster of --distributed-executor-backend ray (default: $RAY_ADDRESS, else the "
+                        "cluster `ray start` left on this machine, else a local Ray instance)")
+    if headless:
+        p.add_argument("--headless", action="store_true",
+                       help="nodes 1.. of a multi-node engine: run this node's ranks with node 0's engine "
+                            "configuration, no HTTP; exits when node 0 goes")
+
+
+def multinode_kwargs(args) -> dict:
+    """The engine fields add_multinode_args sets (EngineConfig / LLM keyword arguments)."""
+    return {"nnodes": args.nnodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
+            "master_port": args.master_port, "ray_address": args.ray_address}

@@ -3,7 +3,8 @@
 import argparse
 import sys
 
-from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args, add_quantization_arg
+from turnout.entrypoints.engine_args import (add_kv_tier_and_parallel_args, add_multinode_args, add_quantization_arg,
+                                            multinode_kwargs)
 
 
 def add_arguments(p) -> None:
@@ -29,6 +30,7 @@ def add_arguments(p) -> None:
                    help="no CUDA graphs (default: graphs on a GPU)")
     add_kv_tier_and_parallel_args(p)
     add_quantization_arg(p)
+    add_multinode_args(p)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before the last one's tokens are read back "
                         "(default: on for GPUs, off on CPU)")
@@ -51,7 +53,8 @@ def run(args) -> int:
               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype,
               batch_invariant=args.batch_invariant,
-              preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
+              preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb,
+              **multinode_kwargs(args))
     engine = llm.engine
     if args.chat:
         prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]

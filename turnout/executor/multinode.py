@@ -11,10 +11,17 @@ error naming the address). The head also listens for its remote ranks' step conn
 reads them there, connects one socket per rank, and hands each to its rank's process, which then runs the
 same ``worker_main`` as a local rank of the mp executor. So the head's mp executor drives remote ranks
 through the same messages as local ones (``MultiprocExecutor(remote=HeadRendezvous(config))``).
+
+The engine configuration is node 0's: the head sends it (JSON, the EngineConfig fields) down each rank's
+connection, and a headless node uses it with only its own node rank. A node started with other engine flags
+(or serve's defaults against generate's) therefore cannot run a different shard, batch or dtype; only the
+model path must name the same checkpoint on every node.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import signal
 
@@ -50,6 +57,7 @@ class HeadRendezvous:
         self.init_method = rendezvous.init_url(addr, port)
         self.local_ranks = len(ranks_of_node(config, 0))
         self.world = config.tensor_parallel_size
+        self._config = json.dumps(dataclasses.asdict(config)).encode()
         self._listener = StepListener(addr)
         self.driver_init_method.set(_ADDRESS_KEY, self._listener.address)
         self.driver_init_method.set(_AUTH_KEY, self._listener.key.hex())
@@ -58,9 +66,12 @@ class HeadRendezvous:
 
     def accept(self, alive=None):
         try:
-            return self._listener.accept(range(self.local_ranks, self.world), self.timeout_s, alive)
+            conns = self._listener.accept(range(self.local_ranks, self.world), self.timeout_s, alive)
         finally:
             self._listener.close()
+        for conn in conns:
+            conn.send_bytes(self._config)
+        return conns
 
     def close(self) -> None:
         self._listener.close()
@@ -97,7 +108,9 @@ def run_headless(config) -> int:
     try:
         for local_rank, rank in enumerate(ranks):
             conn = connect(address, key, rank, timeout)
-            p = ctx.Process(target=worker_main, args=(rank, config.tensor_parallel_size, init_method, config, conn, conn),
+            head_config = _head_config(conn.recv_bytes(), config.node_rank)
+            p = ctx.Process(target=worker_main, args=(rank, config.tensor_parallel_size, init_method, head_config,
+                                                      conn, conn),
                             kwargs={"local_rank": local_rank}, name=f"turnout-worker-{rank}", daemon=True)
             p.start()
             conn.close()  # the rank's process holds its own copy
@@ -115,3 +128,14 @@ def run_headless(config) -> int:
         logger.error("headless node %d: ranks exited with %s", config.node_rank, dict(zip(ranks, codes)))
         return 1
     return 0
+
+
+def _head_config(raw: bytes, node_rank: int):
+    from turnout.config import EngineConfig
+
+    fields = json.loads(raw)
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    if set(fields) - known:
+        raise RuntimeError(f"node {node_rank}: node 0 runs another turnout version (engine fields "
+                           f"{sorted(set(fields) - known)} unknown here); install the same version on every node")
+    return EngineConfig(**{**fields, "node_rank": node_rank})

@@ -13,8 +13,9 @@ messages go over an authenticated socket to the driver (executor/step_channel.py
   gives no other actor that GPU, and the driver runs on the one Ray assigned.
 - The cluster: ``EngineConfig.ray_address`` (``--ray-address``), else whatever ``ray.init(address="auto")``
   finds (``$RAY_ADDRESS``, read by Ray, or the cluster ``ray start`` left on this machine). With none, a local
-  Ray instance on 127.0.0.1, which this executor also shuts down; a cluster it did not start is left
-  running, less this engine's actors and placement group.
+  Ray instance, which this executor also shuts down; a cluster it did not start is left running, less this
+  engine's actors and placement group. (Ray puts a local instance on this machine's routable address; with
+  ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` set before Ray is imported it stays on 127.0.0.1, as in the tests.)
 - Rendezvous: torch.distributed TCP on the driver's node address as the cluster knows it (rank 0's store
   bound there only, distributed/rendezvous.py), on a free port.
 
@@ -166,13 +167,13 @@ def _connect(ray, config, world: int) -> bool:
         return False
     except ConnectionError:
         pass
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-             num_cpus=max(os.cpu_count() or 1, world), logging_level=logging.WARNING)
+    ray.init(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, world),
+             logging_level=logging.WARNING)
     return True
 
 
 def _node_ip(ray) -> str:
-    """This node's address as the cluster knows it (127.0.0.1 for a local instance)."""
+    """This node's address as the cluster knows it: where the rendezvous and the step connections listen."""
     me = ray.get_runtime_context().get_node_id()
     for node in ray.nodes():
         if node.get("NodeID") == me:

@@ -12,6 +12,7 @@ rank 0 samples and returns tokens). ``collective_rpc`` calls reach any public me
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import traceback
 
@@ -90,7 +91,7 @@ class Worker:
         return {"rank": self.rank, "world_size": self.world_size, "tp_rank": self.tp.rank, "tp_size": self.tp.size,
                 "device": str(self.device), "num_blocks": self.runner.num_blocks,
                 "num_kv_heads": self.runner.num_kv_heads,
-                "embed_rows": int(model.model.embed_tokens.weight.shape[0])}
+                "embed_rows": int(model.model.embed_tokens.weight.shape[0]), "pid": os.getpid()}
 
     def num_blocks(self) -> int:
         return self.runner.num_blocks

@@ -17,7 +17,8 @@ import logging
 import signal
 
 from turnout import envs
-from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args, add_quantization_arg
+from turnout.entrypoints.engine_args import (add_kv_tier_and_parallel_args, add_multinode_args, add_quantization_arg,
+                                            multinode_kwargs)
 
 logger = logging.getLogger("turnout.serve")
 
@@ -61,6 +62,7 @@ def add_arguments(p) -> None:
 
     add_data_parallel_arg(e)
     add_quantization_arg(e)
+    add_multinode_args(e, headless=True)
     e.add_argument("--block-size", type=int, default=16, help="tokens in one KV-cache block")
     e.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache bytes (CPU default 1 GiB)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -152,7 +154,8 @@ def build_config(args):
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         data_parallel_size=args.data_parallel_size, **_distributed_kwargs(args),
         quantization=args.quantization, batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
-              preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
+              preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb,
+              **multinode_kwargs(args))
 
 
 def _distributed_kwargs(args) -> dict:
@@ -196,6 +199,12 @@ def bind_socket(host: str, port: int):
 
 
 def run(args) -> int:
+    if args.headless or args.node_rank:  # node 1.. of a multi-node engine: its ranks only, no HTTP
+        from turnout.executor.multinode import run_headless
+
+        if not args.headless:
+            raise ValueError(f"--node-rank: node {args.node_rank} runs no engine and serves no HTTP; add --headless")
+        return run_headless(build_config(args))
     if args.max_queue < 0:
         raise ValueError(f"--max-queue: must be >= 0, got {args.max_queue}")
     if args.max_request_bytes < 1024:
