@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from tiny_tok_model import write_tiny_model  # tests/distributed is on sys.path (pytest's rootdir rule)
 
 from turnout.distributed import free_port
@@ -28,6 +29,7 @@ CLI = [sys.executable, "-m", "turnout.entrypoints.cli"]
 
 
 def _generate(tiny, *extra):
+    """`turnout generate` of PROMPT (on the CPU unless extra gives --device: argparse keeps the last)."""
     return CLI + ["generate", "--model", tiny, "--device", "cpu", "--max-tokens", "16", "--temperature", "0",
                   *extra, PROMPT]
 
@@ -85,3 +87,35 @@ def test_a_node_other_than_0_runs_no_engine(tiny):
     p = subprocess.run(CLI + ["serve", tiny, "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--port", "0"],
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--node-rank: node 1 runs no engine and serves no HTTP; add --headless" in p.stderr
+
+
+def test_headless_on_node_0_is_refused(tiny):
+    p = subprocess.run(CLI + ["serve", tiny, "-tp", "2", "--nnodes", "2", "--headless"], env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "node_rank: --headless runs node 1..1" in p.stderr
+
+
+@pytest.mark.gpu
+def test_two_nodes_on_two_gpus_equal_one_node(tiny):
+    """NCCL: node 0 on GPU 0, node 1 on GPU 1 (each sees one: its rank's device is local index 0), against
+    `generate -tp 2` on one node with the same two GPUs (the same all-reduce, so the same text)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    port = free_port()
+    multi = ["-tp", "2", "--nnodes", "2", "--master-port", str(port), "--device", "cuda"]
+    node1 = subprocess.Popen(CLI + ["serve", tiny, "--headless", "--node-rank", "1", *multi],
+                             env={**ENV, "CUDA_VISIBLE_DEVICES": "1"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        head = subprocess.run(_generate(tiny, "--node-rank", "0", *multi), env={**ENV, "CUDA_VISIBLE_DEVICES": "0"},
+                              capture_output=True, text=True, timeout=300)
+        node1_rc = node1.wait(timeout=60)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    node1_log = node1.stdout.read()
+    assert head.returncode == 0 and node1_rc == 0, head.stderr[-3000:] + node1_log[-3000:]
+    one = subprocess.run(_generate(tiny, "-tp", "2", "--device", "cuda"), env=ENV, capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert head.stdout == one.stdout and len(one.stdout.split()) >= 8

@@ -80,5 +80,31 @@ def test_ray_tp2_matches_tp1(tiny, monkeypatch):
 
 def test_without_ray_asking_for_it_says_how_to_install(tiny, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as where it is missing
-    with pytest.raises(ValueError, match=r"distributed_executor_backend: 'ray' needs Ray.*pip install 'turnout\[ray\]'"):
+    need = r"distributed_executor_backend: 'ray' needs Ray.*pip install 'turnout\[ray\]'"
+    with pytest.raises(ValueError, match=need):
         LLM(tiny, tensor_parallel_size=2, distributed_executor_backend="ray", **KW)
+
+
+@pytest.mark.gpu
+def test_ray_tp2_on_two_gpus_matches_mp(tiny, monkeypatch):
+    """NCCL: rank 0 in this process on the GPU the placeholder actor holds, rank 1 an actor on the other;
+    the same tokens as the mp executor on the same two GPUs."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'turnout[ray]')")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    gpu = {**KW, "device": "cuda"}
+    mp_llm = LLM(tiny, tensor_parallel_size=2, **gpu)
+    try:
+        ref_tokens, _ = _run(mp_llm)
+    finally:
+        mp_llm.engine.executor.shutdown()
+    llm = LLM(tiny, tensor_parallel_size=2, distributed_executor_backend="ray", **gpu)
+    try:
+        tokens, _ = _run(llm)
+        info = llm.engine.executor.collective_rpc("describe")
+    finally:
+        llm.engine.executor.shutdown()
+    assert tokens == ref_tokens
+    assert [i["device"] for i in info][1] == "cuda:0"  # the actor sees only the GPU Ray gave it
+    assert not ray.is_initialized()

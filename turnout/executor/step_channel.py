@@ -100,8 +100,9 @@ def connect(address: str, key: bytes, rank: int, timeout_s: float = 300.0) -> Co
 
 
 def _handshake(sock: socket.socket, key: bytes) -> tuple[Connection | None, int | None]:
-    """The HMAC challenge both ways, then the peer's rank, each read bounded by an OS receive timeout (a peer that connects and says
-    nothing cannot stall the driver); after it the socket blocks for as long as a step takes to come."""
+    """The HMAC challenge both ways, then the peer's rank, each read bounded by an OS receive timeout (a peer
+    that connects and says nothing cannot stall the driver); after it the socket blocks for as long as a step
+    takes to come."""
     timeout = struct.pack("ll", _HANDSHAKE_S, 0)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
     conn = Connection(sock.detach())
