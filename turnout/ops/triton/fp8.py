@@ -7,6 +7,10 @@
   sm89+) accumulates in float32 and the tile's product is multiplied by the group scales of x (per row) and
   of W (per 128 rows), where the layout has them; per-token and per-channel scales multiply once, after the
   loop. Weight-only (x unquantised) the fp8 tile is converted to x's dtype and multiplied on the 16-bit units.
+  On sm90 an fp8 ``tl.dot`` sums in the matrix units' reduced precision (about 14 bits; Triton's default
+  there, as fast as fp8 gets), so adding each 128-wide tile's product into the float32 ``acc`` is the
+  promotion interval: the error is ~2^-13 of sum |x w| (the conformance bound, ops/reference/fp8.py). A fused
+  ``tl.dot(a, b, acc)`` would accumulate all of K imprecisely; Triton does not fuse fp8 dots on sm90.
 * ``fp8_linear`` at one row: the decode kernel. Like ``small_m_linear`` (ops/triton/linear.py) a program owns a
   few rows of W and streams all of K once, products summed in registers and reduced once at the end, but the
   weight is read as fp8: half the bytes. Block scales are folded into the x tile (a program's rows lie in one
