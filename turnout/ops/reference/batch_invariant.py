@@ -208,7 +208,12 @@ def combine_slots(pair_out: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts(hidden, w13, w2, topk_weights, topk_ids, lin=linear) -> torch.Tensor:
-    """The contract of turnout/ops/reference/moe.py; ``lin``: the batch-invariant linear to use."""
+    """The contract of turnout/ops/reference/moe.py; ``lin``: the batch-invariant linear to use.
+
+    Host-synchronous, like reference/moe.py: each expert's rows are found with ``nonzero`` (the fixed
+    row tiles of ``lin`` need their count on the host). A sync-free form (every expert on every token,
+    masked) costs num_experts / top_k times the work, so this stays the portable fallback: under CUDA
+    graphs capture fails once and the steps run eagerly; triton.batch_invariant serves GPUs."""
     num_tokens, hidden_size = hidden.shape
     inter = w13.shape[1] // 2
     ids = topk_ids.long()
