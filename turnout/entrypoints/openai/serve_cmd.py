@@ -17,6 +17,7 @@ import logging
 import signal
 
 from turnout import envs
+from turnout.engine.concurrency import MAX_DEFAULT_SEQS
 from turnout.entrypoints.engine_args import (add_kv_tier_and_parallel_args, add_multinode_args, add_quantization_arg,
                                             multinode_kwargs)
 
@@ -49,7 +50,9 @@ def add_arguments(p) -> None:
     e.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     e.add_argument("--max-model-len", type=int, default=None,
                    help="context length; longer requests get 400 context_length_exceeded (default: the model's)")
-    e.add_argument("--max-num-seqs", type=int, default=256, help="sequences generated at once")
+    e.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences generated at once (default: as many as the KV cache holds at --max-model-len, "
+                        "256 to 1024)")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step")
     e.add_argument("--max-tokens-per-request", type=int, default=None,
                    help="the most one request may cost: n x (prompt + max_tokens) plus its logprob entries; "
@@ -107,7 +110,7 @@ def add_arguments(p) -> None:
     h.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413")
     h.add_argument("--max-connections", type=int, default=None,
                    help="open connections beyond this are refused with 503 "
-                        "(default: --max-queue + --max-num-seqs + 64)")
+                        "(default: --max-queue + --max-num-seqs + 64; 1024 for an automatic --max-num-seqs)")
     h.add_argument("--timeout-header", type=float, default=15.0,
                    help="seconds a connection may take to send its request headers (else 408, closed)")
     h.add_argument("--timeout-body", type=float, default=60.0,
@@ -214,7 +217,7 @@ def run(args) -> int:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 0 seconds, got {getattr(args, flag)}")
     max_connections = args.max_connections
     if max_connections is None:
-        max_connections = args.max_queue + args.max_num_seqs + 64
+        max_connections = args.max_queue + (args.max_num_seqs or MAX_DEFAULT_SEQS) + 64
     if max_connections < 1:
         raise ValueError(f"--max-connections: must be >= 1, got {max_connections}")
     for flag in ("h11_max_incomplete_event_size", "h11_max_header_count"):
@@ -241,8 +244,10 @@ def run(args) -> int:
         if config.data_parallel_size > 1:  # N replicas, a process each (turnout/engine/dp.py)
             from turnout.engine.dp import DataParallelEngine
 
-            return DataParallelEngine(config)
-        return LLMEngine.from_config(config)
+            return DataParallelEngine(config)  # replicas size their own; the server admits up to the bound
+        engine = LLMEngine.from_config(config)
+        state.max_num_seqs = engine.config.max_num_seqs  # None resolved when the cache was sized
+        return engine
 
     server: _DrainingServer | None = None
     exit_code = 0
@@ -250,7 +255,7 @@ def run(args) -> int:
     def on_ready(state):
         logger.info("turnout %s ready on http://%s:%d | model %r | max_model_len=%d max_num_seqs=%d "
                     "max_queue=%d api_key=%s drain_timeout=%.0fs", _version(), args.host, port,
-                    ", ".join(state.served_model_names), state.max_model_len, args.max_num_seqs, args.max_queue,
+                    ", ".join(state.served_model_names), state.max_model_len, state.max_num_seqs, args.max_queue,
                     "required" if args.api_key else "off", args.drain_timeout)
 
     def on_load_failed(exc):
@@ -270,7 +275,8 @@ def run(args) -> int:
     # As vLLM: the API name is --served-model-name, else the MODEL argument, else the engine's display name.
     names = args.served_model_name or ([config.model] if config.model else None)
     state = ServerState(engine_factory=make_engine, served_model_names=names,
-                        api_key=args.api_key or None, enable_rl_endpoints=args.enable_rl_endpoints, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
+                        api_key=args.api_key or None, enable_rl_endpoints=args.enable_rl_endpoints, max_queue=args.max_queue,
+                        max_num_seqs=args.max_num_seqs or MAX_DEFAULT_SEQS,
                         max_request_bytes=args.max_request_bytes, max_header_count=args.h11_max_header_count,
                         drain_timeout=args.drain_timeout, options=options,
                         on_ready=on_ready, on_load_failed=on_load_failed, on_engine_dead=on_engine_dead)
