@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(level, int):
         parser.error(f"--log-level: unknown level {args.log_level!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if level > logging.DEBUG:  # httpx logs every request at INFO (bench serve sends thousands): not a server's log
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, RuntimeError) as e:
