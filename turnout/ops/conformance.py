@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from turnout import envs
-from turnout.ops.reference._util import DTYPES
+from turnout.ops.reference._util import DTYPES, compare_tensors  # noqa: F401 - compare_tensors is public here
 
 
 @dataclass
@@ -65,30 +65,6 @@ def _outputs(spec, case, result):
         for name in spec.mutates:
             outs += _flatten(bound.arguments[name])
     return outs
-
-
-def compare_tensors(ref: list, got: list, atol: float, rtol: float) -> tuple[bool, float, str]:
-    if len(ref) != len(got):
-        return False, float("inf"), f"{len(got)} outputs, expected {len(ref)}"
-    worst = 0.0
-    for n, (r, g) in enumerate(zip(ref, got)):
-        if r.shape != g.shape:
-            return False, float("inf"), f"output {n}: shape {tuple(g.shape)}, expected {tuple(r.shape)}"
-        r, g = r.cpu(), g.cpu()
-        if not r.is_floating_point():
-            bad = (r != g).sum().item()
-            if bad:
-                return False, float(bad), f"output {n}: {bad} of {r.numel()} integer elements differ"
-            continue
-        r, g = r.float(), g.float()
-        if torch.isnan(g).any() and not torch.isnan(r).any():
-            return False, float("nan"), f"output {n}: NaN where the reference has numbers (unwritten elements?)"
-        err = (r - g).abs()
-        worst = max(worst, err.max().item() if err.numel() else 0.0)
-        bound = atol + rtol * r.abs()
-        if (err > bound).any():
-            return False, worst, f"output {n}: max error {worst:.3g} beyond atol={atol} rtol={rtol}"
-    return True, worst, ""
 
 
 def run_case(spec, fn, case, dtype: str, platform=None) -> tuple[bool, float, str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from turnout.ops.reference._util import randn
+from turnout.ops.reference._util import compare_tensors, randn
 from turnout.ops.spec import OpSpec, SampleCase
 
 FP8 = torch.float8_e4m3fn
@@ -227,8 +227,6 @@ _FP8_ACC = 2.0 ** -11
 
 def compare_fp8_mm(ref: list, got: list, case) -> tuple[bool, float, str]:
     """scaled_mm / block_scaled_mm: |got - ref| <= atol + rtol |ref| + 2^-11 sum_k |x_k w_k| (see _FP8_ACC)."""
-    from turnout.ops.conformance import compare_tensors
-
     xq, x_scale, weight, weight_scale, _, out_dtype = case.args
     atol, rtol = _MM_TOL[str(out_dtype).removeprefix("torch.")]
     if len(ref) != 1 or len(got) != 1 or got[0].shape != ref[0].shape:
