@@ -47,6 +47,9 @@ def _run(model, prompts, params, **kw):
     llm = LLM(model, seed=0, **kw)
     outs = llm.generate_tokens(prompts, params)
     res = [(o.token_ids, o.logprobs) for o in outs]
+    shutdown = getattr(llm.engine.executor, "shutdown", None)
+    if shutdown is not None:  # the worker processes and this process's group go now, before the next engine
+        shutdown()
     del llm, outs
     gc.collect()
     return res
