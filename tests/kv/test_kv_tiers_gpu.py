@@ -1,4 +1,5 @@
-"""KV tiers on a GPU (issue 21): the per-layer async swap op is chosen (vendor.cuda on a side stream) and
+"""KV tiers on a GPU (issue 21): the per-layer async swap op is chosen (the Triton kernel that reads pinned
+host memory in place, on a side stream; the DMA one of vendor.cuda when the policy says so) and
 swap preemption, recompute and an ample cache give the same greedy tokens (dummy Qwen3-0.6B in float32,
 CUDA graphs on, so swap-ins pass both the layer gates and the graph replay's gate); host-tier prefix hits
 after device eviction give a cold run's tokens; an async swap implementation that raises on its first
@@ -49,12 +50,14 @@ def ample():
     return toks
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_swap_and_recompute_equal_an_ample_cache(ample, mode):
-    llm = LLM(CFG, kv_cache_memory=SMALL_KV, preemption_mode=mode, swap_space=1, **KW)
+@pytest.mark.parametrize("mode,impl", [("swap", "triton.default"), ("swap", "vendor.cuda"),
+                                       ("recompute", "triton.default")])
+def test_swap_and_recompute_equal_an_ample_cache(ample, mode, impl):
+    pol = None if impl == "triton.default" else f"swap_layer_async={impl};swap_layer={impl}"
+    llm = LLM(CFG, kv_cache_memory=SMALL_KV, preemption_mode=mode, swap_space=1, ops_policy=pol, **KW)
     xfer = llm.engine.runner.kv_transfer
     assert xfer.strategy == ("async per layer", "swap_layer_async")
-    assert llm.engine.ops.chosen("swap_layer_async") == "vendor.cuda"
+    assert llm.engine.ops.chosen("swap_layer_async") == impl  # triton.default by default (UVA kernel)
     _same(_greedy(llm, _prompts()), ample)
     s = llm.get_stats()
     assert s.num_preemptions_total > 0
@@ -110,3 +113,31 @@ def test_async_swap_failing_on_first_use_falls_back_to_sync(ample, monkeypatch):
     assert llm.get_stats().num_failed_requests_total == 0
     for k, v in llm.engine.runner.kv_caches:
         assert not torch.isnan(k).any() and not torch.isnan(v).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_triton_swap_kernel_moves_scattered_blocks_both_ways(dtype):
+    from turnout.ops.triton.swap import swap_layer, swap_layer_async
+
+    g = torch.Generator().manual_seed(0)
+    dev = [torch.randn((64, 16, 8, 128), generator=g).to("cuda", dtype) for _ in range(4)]
+    host = [torch.zeros((48, 16, 8, 128), dtype=dtype, pin_memory=True) for _ in range(4)]
+    out = torch.tensor([[5, 40], [63, 0], [6, 41], [17, 3]])  # scattered device blocks -> host blocks
+    swap_layer(dev, host, out)
+    torch.cuda.synchronize()
+    for d, h in zip(dev, host):
+        for a, b in out.tolist():
+            assert torch.equal(h[b].view(torch.uint8), d[a].cpu().view(torch.uint8))
+        assert not h[1].view(torch.uint8).any()  # nothing else written
+    back = torch.tensor([[40, 7], [0, 60], [3, 33]])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    event = swap_layer_async(host, dev, back, stream=side)
+    torch.cuda.current_stream().wait_event(event)
+    for d, h in zip(dev, host):
+        for a, b in back.tolist():
+            assert torch.equal(d[b].cpu().view(torch.uint8), h[a].view(torch.uint8))
+    pageable = [torch.zeros((48, 16, 8, 128), dtype=dtype) for _ in range(4)]  # not addressable: staged copy
+    swap_layer(dev, pageable, out)
+    for d, h in zip(dev, pageable):
+        assert torch.equal(h[40].view(torch.uint8), d[5].cpu().view(torch.uint8))

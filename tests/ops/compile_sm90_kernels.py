@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from turnout.ops.triton import (activation, attention, cache, linear, moe_decode, moe_one_token, norm, routing, rotary,
-                                sampling)
+                                sampling, swap)
 
 B, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 PDL = {"PDL": True}
@@ -83,6 +83,9 @@ def _cases():
            {"LOGITS": F32, "TEMP": F32, "TOP_K": I32, "TOP_P": F32, "MIN_P": F32, "SEEDS": I64, "STEPS": I64,
             "OUT": I64, "PART_MAX": F32, "PART_ID": I32, "PART_MIN": F32}, dict(NC_PAD=64, BLOCK=4096),
            {"num_warps": 8})
+    # the KV swap kernel (no PDL: it runs beside the forward on a side stream, or before it)
+    yield ("swap layer", swap._swap_layer_kernel, {**dict.fromkeys(("SRC_K", "SRC_V", "DST_K", "DST_V"), "*i32"),
+                                                   "MAP": I64}, dict(BLOCK=2048), {})
     yield ("moe sum slots", moe_decode._sum_slots_kernel, {"pair_out_ptr": F32, "ids_ptr": I32, "out_ptr": B},
            dict(KP=8, BLOCK_H=512, **PDL), {})
 

@@ -185,7 +185,8 @@ def _assert_triton_chosen(plat):
     kernels = _triton_ops(registry)
     assert kernels, "no Triton kernel registered"
     for op, spec in registry.ops.items():
-        if op not in kernels and spec.optional and table.chosen(op) is None:
+        lacks = spec.requires is not None and not spec.requires(plat)[0]
+        if (op not in kernels or lacks) and spec.optional and table.chosen(op) is None:
             continue  # an optional op nothing on this platform serves (swap_layer_async needs device streams)
         assert table.chosen(op) == ("triton.default" if op in kernels else "reference.torch"), op
 
@@ -212,6 +213,10 @@ def test_platform_without_triton_backend_is_not_served_by_triton():
     assert not plat.takes_triton
     registry, table = _resolve_on(plat)
     for op in _triton_ops(registry):
+        spec = registry.ops[op]
+        if spec.optional and spec.requires is not None and not spec.requires(plat)[0]:
+            assert table.chosen(op) is None  # what the op needs is missing (device streams): nothing serves it
+            continue
         assert table.chosen(op) == "reference.torch"
         cand = table.resolutions[op].candidate("triton.default")
         assert not cand.available

@@ -139,7 +139,12 @@ class KVTransfer:
         self._mod = getattr(torch, dev.type, None)
         self._stream = None
         if self.strategy is not None and self.strategy[1] == "swap_layer_async" and self.num_host_blocks:
-            self._stream = self._mod.Stream(dev)  # the side stream copies in run on
+            # the side stream copies in run on, at high priority: a copy kernel's programs are scheduled
+            # ahead of the forward's as multiprocessors free up, so layer i+1's blocks land before layer i ends
+            try:
+                self._stream = self._mod.Stream(dev, priority=-1)
+            except TypeError:  # a device module whose streams take no priority
+                self._stream = self._mod.Stream(dev)
         self.copy_bytes_per_s = self.prefill_tokens_per_s = 0.0
         if mode == "auto":
             self._measure(config)
@@ -289,18 +294,24 @@ class KVTransfer:
             except OpFailedError as e:
                 self._drop(op, e)
 
+    def _mapping(self, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        """The [N, 2] block mapping, in pinned memory on CUDA: a kernel's copy of it to the device is then
+        asynchronous, and a kernel may read it in place."""
+        m = torch.tensor(pairs, dtype=torch.long)
+        return m.pin_memory() if self.runner.device.type == "cuda" else m
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, host block) copies, in line on the compute stream."""
         if not pairs:
             return
-        self._in_line(self.runner.kv_caches, self.host_caches, torch.tensor(pairs, dtype=torch.long))
+        self._in_line(self.runner.kv_caches, self.host_caches, self._mapping(pairs))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> LayerGate | None:
         """(host block, device block) copies before this step's forward reads them: a gate the forward
         passes layer by layer, or None once they are all queued in line (whole cache)."""
         if not pairs:
             return None
-        m = torch.tensor(pairs, dtype=torch.long)
+        m = self._mapping(pairs)
         caches, host = self.runner.kv_caches, self.host_caches
         if self.strategy[1] == "swap_layer_async":
             main = self._mod.current_stream(self.runner.device)

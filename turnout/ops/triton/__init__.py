@@ -20,6 +20,7 @@ KERNELS: dict[str, str] = {
     "copy_blocks": "cache:copy_blocks",
     "swap_blocks": "cache:swap_blocks",
     "swap_layer": "swap:swap_layer",
+    "swap_layer_async": "swap:swap_layer_async",
     "paged_attention": "attention:paged_attention",
     "rotary_paged_attention": "attention:rotary_paged_attention",
     "sample": "sampling:sample",
@@ -32,6 +33,7 @@ KERNELS: dict[str, str] = {
     "scaled_mm": "fp8:scaled_mm",
     "block_scaled_mm": "fp8:block_scaled_mm",
     "fp8_linear": "fp8:fp8_linear",
+    "moe_experts_fp8": "moe_fp8:moe_experts_fp8",
 }
 
 
@@ -46,7 +48,7 @@ PAYS: dict[str, bool | str] = {
 }
 
 # ops whose kernels need e4m3fn fp8 units besides Triton (turnout/ops/fp8_platform.py: sm89+ on CUDA)
-FP8_OPS = ("quantize_fp8", "scaled_mm", "block_scaled_mm", "fp8_linear")
+FP8_OPS = ("quantize_fp8", "scaled_mm", "block_scaled_mm", "fp8_linear", "moe_experts_fp8")
 
 
 def _fp8_check(platform):
@@ -87,12 +89,12 @@ _NUM_SPLITS = Choice(
 
 # op -> the decisions its Triton implementation makes inside itself (Choice): reported by `turnout ops`,
 # fixed by `<op>.<choice>=<value>` in TURNOUT_OPS / ops_policy. The defaults are the measured ones.
+_MOE_DOC = ("auto: the one-token kernel at T = 1, the decode kernels (no sort) while T*k <= max(128, 4*E), the "
+            "sorted grouped GEMM beyond. grouped / decode: that path at every T (decode with its per-slot down "
+            "kernel and slot sum, never the one-token kernel)")
 CHOICES: dict[str, tuple[Choice, ...]] = {
-    "moe_experts": (Choice(
-        "kernel", values=("grouped", "decode"), note=_moe_note,
-        doc="auto: the one-token kernel at T = 1, the decode kernels (no sort) while T*k <= max(128, 4*E), "
-            "the sorted grouped GEMM beyond. grouped / decode: that path at every T (decode with its "
-            "per-slot down kernel and slot sum, never the one-token kernel)"),),
+    "moe_experts": (Choice("kernel", values=("grouped", "decode"), note=_moe_note, doc=_MOE_DOC),),
+    "moe_experts_fp8": (Choice("kernel", values=("grouped", "decode"), doc=_MOE_DOC),),
     "paged_attention": (_NUM_SPLITS,),
     "rotary_paged_attention": (_NUM_SPLITS,),
 }

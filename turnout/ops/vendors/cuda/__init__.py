@@ -27,9 +27,11 @@ def register(registry) -> None:
             registry.add_impl(Impl(op=op, id="vendor.cuda", target=f"turnout.ops.vendors.cuda.vllm_ops:{loader}",
                                    factory=True, platforms=PLATFORMS, priority=0))
     for op in ("swap_layer", "swap_layer_async"):  # torch's own async copies (swap.py): no library needed
+        # One DMA per run of consecutive blocks, issued from the host: it lost to the Triton kernel that
+        # reads pinned host memory in place (one launch a layer) on scattered blocks, so it ranks below it.
         if op in registry.ops:
             registry.add_impl(Impl(op=op, id="vendor.cuda", target=f"turnout.ops.vendors.cuda.swap:{op}",
-                                   platforms=PLATFORMS, priority=0))
+                                   platforms=PLATFORMS, priority=0, below=("triton",)))
     if "scaled_mm" in registry.ops:  # torch._scaled_mm with row-wise scales (fp8.py), sm90+
         registry.add_impl(Impl(op="scaled_mm", id="vendor.cuda", target="turnout.ops.vendors.cuda.fp8:load",
                                factory=True, platforms=("cuda",)))
