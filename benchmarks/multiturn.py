@@ -2,7 +2,9 @@
 
 Multi-turn: N conversations x T turns, a shared system prompt and growing history (turn t's prompt is the
 system prompt, every earlier user message and answer, and a new user message); turn t+1 of a conversation
-arrives when its turn t finishes, so N run at once. Device KV holds ``--kv-fraction`` of the conversations'
+arrives when its turn t finishes (so N run at once, a closed load that saturates the engine: TTFT is then
+mostly queueing), or ``--think-time`` seconds later on average with conversations ``--conv-interval`` apart
+(an open load: TTFT is the prefill, or the host tier's load, of a history evicted while its user thought). Device KV holds ``--kv-fraction`` of the conversations'
 full KV (sized from the workload); the same load runs with the host prefix tier off and on (sized to hold
 every conversation). Reported: TTFT p50 / p99 of turn 1 and of turns 2..T (per request: add_request to
 its first token), output tokens/s, host-tier hit tokens, and the KV tier counters (turnout/kv/stats.py).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import heapq
 import json
 import random
 import time
@@ -86,10 +89,18 @@ def multiturn(args, offload_gb: float) -> dict:
         eng.add_request(rid, list(history[c]), params)
 
     t0 = time.perf_counter()
+    due: list[tuple[float, int, int]] = []  # (when, conversation, turn) not added yet, a heap
     for c in range(args.convs):
-        add(c, 0)
+        heapq.heappush(due, (t0 + c * args.conv_interval, c, 0))
     gen = 0
-    while eng.has_unfinished_requests():
+    while due or eng.has_unfinished_requests():
+        now = time.perf_counter()
+        while due and due[0][0] <= now:
+            _, c, t = heapq.heappop(due)
+            add(c, t)
+        if not eng.has_unfinished_requests():
+            time.sleep(max(0.0, due[0][0] - now))
+            continue
         outs = eng.step()
         now = time.perf_counter()
         for o in outs:
@@ -99,8 +110,9 @@ def multiturn(args, offload_gb: float) -> dict:
                 c, t = (int(x[1:]) for x in o.request_id.split("-"))
                 history[c] += list(o.outputs[0].token_ids)
                 gen += len(o.outputs[0].token_ids)
-                if t + 1 < args.turns:
-                    add(c, t + 1)
+                if t + 1 < args.turns:  # the user reads the answer and types the next message
+                    think = rng.expovariate(1.0 / args.think_time) if args.think_time > 0 else 0.0
+                    heapq.heappush(due, (now + think, c, t + 1))
     wall = time.perf_counter() - t0
     first = [v for k, v in ttft.items() if k.endswith("-t0")]
     later = [v for k, v in ttft.items() if not k.endswith("-t0")]
@@ -151,6 +163,10 @@ def main() -> None:
     ap.add_argument("--preemption-mode", default="auto")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-host-gb", type=float, default=48.0, help="cap on the host tier and the swap pool, each")
+    ap.add_argument("--think-time", type=float, default=0.0,
+                    help="mean seconds (exponential) between a turn's answer and the next message; 0: at once")
+    ap.add_argument("--conv-interval", type=float, default=0.0,
+                    help="seconds between conversation starts; 0: all at once (a closed, saturating load)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: multiturn, storm")
     ap.add_argument("--json", default=None)
@@ -175,14 +191,16 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     result = {"model": args.model or "SmolLM2-135M (embedded)", "dtype": args.dtype, "device": args.device,
               "convs": args.convs, "turns": args.turns, "system": args.system, "user": args.user, "answer": args.answer,
-              "kv_fraction": args.kv_fraction, "device_blocks": args.mt_blocks, "block_bytes": args.block_bytes}
+              "kv_fraction": args.kv_fraction, "device_blocks": args.mt_blocks, "block_bytes": args.block_bytes,
+              "think_time_s": args.think_time, "conv_interval_s": args.conv_interval}
     if "multiturn" not in skip:
         result["multiturn"] = [multiturn(args, gb) for gb in (0.0, offload_gb)]
         off, on = result["multiturn"]
         result["turn2_ttft_p50_speedup"] = (off["ttft_later_p50_s"] / on["ttft_later_p50_s"]
                                             if on["ttft_later_p50_s"] else None)
         print(f"multi-turn: {args.convs} conversations x {args.turns} turns, system {args.system}, user {args.user}, "
-              f"answer {args.answer} tokens; device KV {args.mt_blocks} blocks ({args.kv_fraction:g} of the load)")
+              f"answer {args.answer} tokens; device KV {args.mt_blocks} blocks ({args.kv_fraction:g} of the load); "
+              f"conversations {args.conv_interval:g} s apart, think time {args.think_time:g} s")
         print(f"{'host tier GiB':<14}{'turn1 p50':>10}{'p99':>9}{'turn2+ p50':>11}{'p99':>9}{'out tok/s':>10}"
               f"{'host hit tok':>13}{'preempt':>8}")
         for r in result["multiturn"]:

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 STRATEGIES = (("async per layer", "swap_layer_async"), ("sync per layer", "swap_layer"), ("whole cache", "swap_blocks"))
 # the ops a copy that runs in line (every copy out; a sync swap-in) tries, in order
 IN_LINE = ("swap_layer", "swap_layer_async", "swap_blocks")
+# how many layers' async copies are issued ahead of the layer the forward is about to run
+ASYNC_AHEAD = 4
 
 
 def choose_strategy(ops, failed: dict[str, str] | None = None) -> tuple[tuple[str, str] | None, list[tuple[str, str]]]:
@@ -317,12 +319,41 @@ class KVTransfer:
             main = self._mod.current_stream(self.runner.device)
             self._stream.wait_stream(main)  # the blocks' previous owner's work (reads and writes) comes first
             try:
-                events = [self._call("swap_layer_async", h, c, m, self._stream) for h, c in zip(host, caches)]
+                events = [self._call("swap_layer_async", host[0], caches[0], m, self._stream)]
             except OpFailedError as e:  # its first call: nothing of it is waited on; the next strategy redoes it
                 self._drop("swap_layer_async", e)
                 return self.swap_in(pairs)
-            return LayerGate(len(caches), lambda i: main.wait_event(events[i]))
+            return LayerGate(len(caches), self._async_layers(main, host, caches, m, events))
         if self.strategy[1] == "swap_layer":
             return LayerGate(len(caches), lambda i: self._in_line([host[i]], [caches[i]], m))
         self._in_line(host, caches, m)
         return None
+
+    def _async_layers(self, main, host, caches, m, events):
+        """The gate's action for the async strategy: issue the copies up to layer i + ASYNC_AHEAD, then make
+        the compute stream wait for layer i's. Issued a few layers ahead of the forward rather than all before
+        it, the copies' host time (a launch per layer) is spread among the forward's own launches instead of
+        delaying its first one (on the H200, issuing 36 layers up front delayed the forward by about the
+        copy's whole duration: docs/benchmarks.md). A copy that fails on its first call drops the op; the
+        layers not yet issued are copied in line, on the compute stream."""
+        n = len(caches)
+
+        def issue(upto: int) -> None:
+            while len(events) < min(upto, n):
+                j = len(events)
+                if self.strategy is None or self.strategy[1] != "swap_layer_async":
+                    self._in_line(host[j:], caches[j:], m)
+                    events.extend([None] * (n - j))
+                    return
+                try:
+                    events.append(self._call("swap_layer_async", host[j], caches[j], m, self._stream))
+                except OpFailedError as e:
+                    self._drop("swap_layer_async", e)
+
+        issue(ASYNC_AHEAD)
+
+        def before(i: int) -> None:
+            issue(i + 1 + ASYNC_AHEAD)
+            if events[i] is not None:
+                main.wait_event(events[i])
+        return before

@@ -324,12 +324,16 @@ class ModelRunner:
             if pending:
                 input_ids = input_tokens.to(torch.long)
             caches = self.kv_caches if gate is None else LayerGatedCaches(self.kv_caches, gate)
-            if routed:
-                with self.routing.record() as got:
+            try:
+                if routed:
+                    with self.routing.record() as got:
+                        hidden = self.model(input_ids, positions, caches, meta)
+                    self._side_outputs.extend(self.routing.chunks(got, routed))
+                else:
                     hidden = self.model(input_ids, positions, caches, meta)
-                self._side_outputs.extend(self.routing.chunks(got, routed))
-            else:
-                hidden = self.model(input_ids, positions, caches, meta)
+            finally:
+                if gate is not None:  # copies issued lazily layer by layer: all of them, also if the forward raised
+                    gate.finish()
             if not want_logits:
                 return None
             if len(logit_idx) != hidden.shape[0]:  # logit_idx is increasing: equal lengths = every row
