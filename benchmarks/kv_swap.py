@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from turnout.engine.kv_transfer import ASYNC_AHEAD
+
 IMPLS = {
     "triton.default": "turnout.ops.triton.swap",
     "vendor.cuda": "turnout.ops.vendors.cuda.swap",
@@ -119,8 +121,14 @@ def main() -> None:
 
         def with_swap_in(src=src, dst=dst, m=m):
             side.wait_stream(main_stream)
-            events = [mod.swap_layer_async(list(s), list(d), m, stream=side) for s, d in zip(src, dst)]
-            forward(lambda i: main_stream.wait_event(events[i]))
+            events = []
+
+            def before(i):  # as KVTransfer does: copies issued ASYNC_AHEAD layers ahead of the layer about to run
+                while len(events) < min(i + 1 + ASYNC_AHEAD, len(src)):
+                    j = len(events)
+                    events.append(mod.swap_layer_async(list(src[j]), list(dst[j]), m, stream=side))
+                main_stream.wait_event(events[i])
+            forward(before)
 
         both, host_ms = timed(with_swap_in, args.iters)
         copy_ms = r["in scattered"]["gpu_ms"]
