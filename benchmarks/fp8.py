@@ -12,11 +12,18 @@ OUTDIR/fp8_summary.json collects the ratios the issue asks for):
   prefill   8 x 2048 in / 1 out in fp8: prefill TFLOP/s against the measured fp8 GEMM rate
   throughput  512 x (1024 in / 512 out) in fp8 (THROUGHPUT_BF16=1: bf16 too)
   hf        HF transformers bf16 on the same config (benchmarks/hf_peer.py: batch-1 latency, throughput)
+  moe       Qwen3-30B-A3B (benchmarks/configs/qwen3_30b_a3b.json, whatever --model): the experts op alone, Triton
+            moe_experts_fp8 against bf16 moe_experts at T = 1 .. 4096 (us, GB/s of the experts' weights a call
+            reads); then turnout bench latency --quantization fp8 --load-format dummy at batch 1, 128 in / 256
+            out, beside bf16 (fp8 experts in 128 x 128 blocks, the dense layers per channel)
+  moe_b64   the same latency pair at batch 64
 
 Two device calls of under 10 minutes on the H200 (a cold Triton cache compiles every kernel first):
 
     PYTHONPATH=$PWD python benchmarks/fp8.py --out /tmp/fp8 --parts kernels,latency,prefill
     PYTHONPATH=$PWD python benchmarks/fp8.py --out /tmp/fp8 --parts throughput,hf
+    PYTHONPATH=$PWD python benchmarks/fp8.py --out /tmp/fp8 --parts moe
+    PYTHONPATH=$PWD python benchmarks/fp8.py --out /tmp/fp8 --parts moe_b64
 
 ``--model`` is a benchmarks/configs name or a config file / directory (default qwen3-8b).
 """
@@ -104,10 +111,10 @@ def kernels(args) -> dict:
     return out
 
 
-def _bench(args, name: str, extra: list[str], cap: int) -> dict:
+def _bench(args, name: str, extra: list[str], cap: int, model: str | None = None) -> dict:
     path = os.path.join(args.out, f"{name}.json")
     cmd = [sys.executable, "-m", "turnout.entrypoints.bench_cmd", "--log-level", "INFO", *extra,
-           "--model", args.model, "--load-format", "dummy", "--dtype", "bfloat16", "--output-json", path]
+           "--model", model or args.model, "--load-format", "dummy", "--dtype", "bfloat16", "--output-json", path]
     print("+", " ".join(cmd), flush=True)
     t = time.time()
     rc = subprocess.run(["timeout", str(cap), *cmd]).returncode
@@ -148,6 +155,61 @@ def hf(args) -> dict:
     return json.load(open(path)) if os.path.exists(path) else {"rc": rc}
 
 
+MOE_MODEL = "qwen3_30b_a3b"
+
+
+def _moe_kernels() -> dict:
+    """moe_experts_fp8 (Triton) against bf16 moe_experts (Triton) on Qwen3-30B-A3B's experts, random routings."""
+    from turnout.ops.reference.fp8 import quantize_weight
+    from turnout.ops.triton.moe import moe_experts
+    from turnout.ops.triton.moe_fp8 import moe_experts_fp8
+
+    cfg = json.load(open(_config_path(MOE_MODEL)))
+    h, inter, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    e = cfg.get("num_experts") or cfg["num_local_experts"]
+    dev = torch.device("cuda")
+    w13 = torch.randn(e, 2 * inter, h, device=dev) * h ** -0.5
+    w2 = torch.randn(e, h, inter, device=dev) * inter ** -0.5
+    q13, s13, q2, s2 = [], [], [], []
+    for i in range(e):  # gate and up each with their own blocks, as the checkpoints store them
+        parts = [quantize_weight(w13[i, :inter], "block"), quantize_weight(w13[i, inter:], "block")]
+        q13.append(torch.cat([p[0] for p in parts]))
+        s13.append(torch.cat([p[1] for p in parts]))
+        q, s = quantize_weight(w2[i], "block")
+        q2.append(q)
+        s2.append(s)
+    q13, s13, q2, s2 = (torch.stack(t) for t in (q13, s13, q2, s2))
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    out = {}
+    for t in (1, 8, 64, 512, 4096):
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        ids = torch.rand(t, e, device=dev).topk(k, dim=1).indices.to(torch.int32)
+        weights = torch.rand(t, k, device=dev)
+        hit = torch.unique(ids).numel()
+        bf16 = _time(lambda: moe_experts(x, w13, w2, weights, ids))
+        fp8 = _time(lambda: moe_experts_fp8(x, q13, s13, q2, s2, weights, ids))
+        per_expert = 3 * inter * h  # elements of w13 + w2
+        row = {"bf16_us": bf16 * 1e6, "fp8_us": fp8 * 1e6, "bf16_GB_s": 2 * hit * per_expert / bf16 / 1e9,
+               "fp8_GB_s": hit * per_expert / fp8 / 1e9, "experts_hit": hit}
+        out[f"T{t}"] = {key: round(v, 2) for key, v in row.items()}
+        print(f"moe_experts T={t}: " + ", ".join(f"{a} {b:.1f}" for a, b in row.items()), flush=True)
+    return out
+
+
+def _moe_latency(args, batch: int) -> dict:
+    lat = ["latency", "--batch-size", str(batch), "--input-len", "128", "--output-len", "256", "--num-iters", "3"]
+    return {"fp8": _bench(args, f"moe_latency_fp8_b{batch}", [*lat, *FP8], 240, MOE_MODEL),
+            "bf16": _bench(args, f"moe_latency_bf16_b{batch}", lat, 200, MOE_MODEL)}
+
+
+def moe(args) -> dict:
+    return {"kernels": _moe_kernels(), "latency_batch1": _moe_latency(args, 1)}
+
+
+def moe_b64(args) -> dict:
+    return {"latency_batch64": _moe_latency(args, 64)}
+
+
 def _get(d, *keys):
     for k in keys:
         d = d.get(k) if isinstance(d, dict) else None
@@ -160,6 +222,7 @@ def summary(out_dir: str) -> dict:
         return json.load(open(p)) if os.path.exists(p) else {}
 
     k, lat, pf, thr = load("kernels"), load("latency"), load("prefill"), load("throughput")
+    moe_ = {**load("moe"), **load("moe_b64")}
     copy_bw = k.get("copy_GB_s") or _get(lat, "fp8", "ceilings", "copy_GB_s")
     fp8_rate = k.get("fp8_gemm_TFLOP_s")
     dec = _get(lat, "fp8", "results", "decode_GB_s") or _get(lat, "fp8", "decode_GB_s")
@@ -172,6 +235,10 @@ def summary(out_dir: str) -> dict:
          else None,
          "throughput_output_tok_s_fp8": _get(thr, "fp8", "results", "output_tok_s") or _get(thr, "fp8", "output_tok_s"),
          "throughput_output_tok_s_bf16": _get(thr, "bf16", "results", "output_tok_s")}
+    for batch in (1, 64):
+        for dt in ("fp8", "bf16"):
+            run = _get(moe_, f"latency_batch{batch}", dt)
+            s[f"moe_decode_tok_s_{dt}_batch{batch}"] = _get(run, "results", "decode_tok_s") or _get(run, "decode_tok_s")
     json.dump(s, open(os.path.join(out_dir, "fp8_summary.json"), "w"), indent=1)
     return s
 
@@ -184,7 +251,8 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=512)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    parts = {"kernels": kernels, "latency": latency, "prefill": prefill, "throughput": throughput, "hf": hf}
+    parts = {"kernels": kernels, "latency": latency, "prefill": prefill, "throughput": throughput, "hf": hf, "moe": moe,
+             "moe_b64": moe_b64}
     for part in args.parts.split(","):
         if part not in parts:
             raise SystemExit(f"--parts: unknown part {part!r} ({', '.join(parts)})")

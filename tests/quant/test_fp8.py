@@ -201,9 +201,10 @@ def test_engine_greedy_equals_hf(fmt, hf_models, ids, cpu_ops, tmp_path_factory)
 def test_bad_quantization_names_the_field(hf_models, ids, cpu_ops, tmp_path):
     with pytest.raises(ValueError, match="^quantization: unknown method 'int4'"):
         EngineConfig(quantization="int4")
-    moe = transformers.Qwen3MoeConfig(num_experts=4, architectures=["Qwen3MoeForCausalLM"])
-    with pytest.raises(ValueError, match="^quantization: fp8 for the MoE experts of Qwen3MoeForCausalLM"):
-        quant_config(moe, "fp8")
+    moe = transformers.Qwen3MoeConfig(num_experts=4, architectures=["Qwen3MoeForCausalLM"],
+                                      quantization_config=FORMATS["fp8_tensor_dynamic"])  # experts need blocks
+    with pytest.raises(ValueError, match=r"^quantization_config.weight_block_size: fp8 MoE experts \(Qwen3Moe"):
+        quant_config(moe)
     for field, value, match in [("weight_block_size", [64, 64], "quantization_config.weight_block_size"),
                                 ("quant_method", "awq", "quantization_config.quant_method"),
                                 ("modules_to_not_convert", ["model.layers.0.mlp.down_proj"],

@@ -45,6 +45,8 @@ class FusionPlan:
     # Not a fusion: how the quantizable linear layers hold and multiply their weights (turnout/quant; None:
     # in the compute dtype). Set by the loader from the checkpoint or EngineConfig.quantization.
     linear_quant: object | None = None
+    # Likewise for the routed MoE experts (turnout/quant/moe_fp8.py; None: in the compute dtype).
+    experts_quant: object | None = None
 
     def __post_init__(self):
         if self.all_linear and (self.one_row_linear or self.rope_attention):

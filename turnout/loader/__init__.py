@@ -164,12 +164,14 @@ class _Progress:
         self.bar.close()
 
 
-def _linear_quant(hf_config, quantization, ops):
+def _quant_methods(hf_config, quantization, ops) -> dict:
+    """The plan's quantisation fields: the linear layers' method and the routed experts' (turnout/quant)."""
     if quantization is None and not getattr(hf_config, "quantization_config", None):
-        return None
-    from turnout.quant import linear_quant
+        return {}
+    from turnout.quant import experts_quant, linear_quant
 
-    return linear_quant(hf_config, quantization, ops)
+    return {"linear_quant": linear_quant(hf_config, quantization, ops),
+            "experts_quant": experts_quant(hf_config, quantization, ops)}
 
 
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str | torch.dtype = "auto",
@@ -224,13 +226,13 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         progress.done()
         cls = get_model_class(getattr(hf_config, "architectures", None))
         torch_dtype = resolve_dtype(dtype, hf_config, device)
-        quant = _linear_quant(hf_config, quantization, ops)
-        if quant is not None:  # the linear layers create fp8 parameters (turnout/quant/fp8.py)
+        quant = _quant_methods(hf_config, quantization, ops)
+        if quant:  # the linear layers and the experts create fp8 parameters (turnout/quant)
             from dataclasses import replace
 
             from turnout.layers.fusion import NO_FUSIONS
 
-            plan = replace(plan or NO_FUSIONS, linear_quant=quant)
+            plan = replace(plan or NO_FUSIONS, **quant)
         with _default_dtype(torch_dtype), device:
             if tp is not None and tp.size > 1:
                 from turnout.layers.fusion import NO_FUSIONS

@@ -1,23 +1,25 @@
-"""Quantised weights (issue 23: fp8). ``linear_quant(hf_config, quantization, ops)`` is what the loader puts
-in the fusion plan (``FusionPlan.linear_quant``) before the model is built: the method the linear layers
-create their parameters and run their forward with (turnout/quant/fp8.py), or None.
+"""Quantised weights (issue 23: fp8). ``linear_quant(hf_config, quantization, ops)`` and ``experts_quant(...)`` are
+what the loader puts in the fusion plan (``FusionPlan.linear_quant`` / ``experts_quant``) before the model is built:
+the methods the linear layers (turnout/quant/fp8.py) and the routed MoE experts (turnout/quant/moe_fp8.py) create
+their parameters and run their forward with, or None.
 
 The arithmetic is in ops (turnout/ops/reference/fp8.py: ``quantize_fp8``, ``scaled_mm``,
-``block_scaled_mm``, ``fp8_linear``), called by name through the op table, so a platform without fp8 matrix
-units runs the dequantising references, and the start-up line says which implementation serves each.
+``block_scaled_mm``, ``fp8_linear``; turnout/ops/reference/moe_fp8.py: ``moe_experts_fp8``), called by name through
+the op table, so a platform without fp8 matrix units runs the dequantising references, and the start-up line says
+which implementation serves each.
 """
 
 from __future__ import annotations
 
 import logging
 
-from turnout.quant.config import METHODS, Fp8Config, quant_config
+from turnout.quant.config import METHODS, Fp8Config, experts_config, has_experts, quant_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["METHODS", "Fp8Config", "linear_quant", "quant_config"]
+__all__ = ["METHODS", "Fp8Config", "experts_quant", "linear_quant", "quant_config"]
 
-FP8_OPS = ("quantize_fp8", "scaled_mm", "block_scaled_mm", "fp8_linear")
+FP8_OPS = ("quantize_fp8", "scaled_mm", "block_scaled_mm", "fp8_linear", "moe_experts_fp8")
 
 
 def _served_by(ops, op: str) -> str:
@@ -45,4 +47,18 @@ def linear_quant(hf_config, quantization: str | None, ops):
         (["fp8_linear"] if method.weight_only_rows else [])
     logger.info("quantization %s; %s%s", cfg.describe(), ", ".join(_served_by(ops, op) for op in used),
                 "; one-row inputs weight-only (fp8_linear)" if method.weight_only_rows else "")
+    return method
+
+
+def experts_quant(hf_config, quantization: str | None, ops):
+    """The routed experts' quantisation method (None: unquantised, or a model without experts); ValueError naming
+    the field of a layout the experts cannot take (``quant_config``). Logs which implementation runs
+    ``moe_experts_fp8``."""
+    from turnout.quant.moe_fp8 import Fp8MoeMethod
+
+    cfg = quant_config(hf_config, quantization)
+    if cfg is None or not has_experts(hf_config):
+        return None
+    method = Fp8MoeMethod(experts_config(cfg))
+    logger.info("quantization of the MoE experts: %s; %s", method.describe(), _served_by(ops, "moe_experts_fp8"))
     return method

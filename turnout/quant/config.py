@@ -16,9 +16,13 @@ one scale per output channel (max |w| / 448 of each row) and activations per tok
 block 128: it is the more accurate of the two for the same bytes (a scale per row instead of per 128 rows),
 and its GEMM is the row-wise scaled one the vendor libraries ship (``torch._scaled_mm``).
 
-Quantised are the decoder's linear layers (qkv, o, gate_up, down, a shared expert's); the embedding, the LM
-head, norms and MoE routers stay in the compute dtype. Partially quantised decoders (a decoder projection
-named in ``ignore`` / ``modules_to_not_convert``) and MoE experts are refused, naming the field.
+Quantised are the decoder's linear layers (qkv, o, gate_up, down, a shared expert's) and the routed MoE experts;
+the embedding, the LM head, norms and MoE routers stay in the compute dtype. The experts take 128 x 128 block
+scales and activations per token and 128 group (``experts_config``): the block checkpoints (Qwen3-30B-A3B-FP8,
+DeepSeek-V3; compressed-tensors' FP8_BLOCK), and ``quantization="fp8"``, which quantises them in blocks (the
+layout their kernel takes) while the dense layers get per-channel scales. Partially quantised decoders (a
+decoder projection named in ``ignore`` / ``modules_to_not_convert``) and the experts of a checkpoint in another
+layout are refused, naming the field.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class Fp8Config:
     checkpoint: bool
     scale_name: str = "weight_scale"
     source: str = ""
+    # the field that keeps MoE experts from this layout ("" where the experts can take it: block weights with
+    # activations per 128 group, or quantised at load)
+    experts_field: str = ""
 
     def describe(self) -> str:
         acts = {"none": "weight-only", "token": "activations per token", "group": "activations per 128 group",
@@ -88,7 +95,8 @@ def _hf_fp8(qc) -> Fp8Config:
         if scheme != "dynamic":
             _bad("quantization_config.activation_scheme", "block-scaled fp8 takes dynamic activations")
         return Fp8Config("block", "group", True, "weight_scale_inv", "fp8 checkpoint")
-    return Fp8Config("row", "token" if scheme == "dynamic" else "static", True, "weight_scale", "fp8 checkpoint")
+    return Fp8Config("row", "token" if scheme == "dynamic" else "static", True, "weight_scale", "fp8 checkpoint",
+                     "quantization_config.weight_block_size")
 
 
 def _compressed_tensors(qc) -> Fp8Config:
@@ -128,7 +136,9 @@ def _compressed_tensors(qc) -> Fp8Config:
             _bad(f"{where}.input_activations", f"dynamic={kind[0]} strategy={kind[1]!r} is not supported "
                  "(dynamic per token, dynamic per 128 group, static per tensor)")
     _check_ignored(_get(qc, "ignore"), "quantization_config.ignore")
-    return Fp8Config(weights, acts, True, "weight_scale", "compressed-tensors checkpoint")
+    experts_field = "" if (weights, acts) == ("block", "group") else \
+        f"{where}.weights.strategy" if weights != "block" else f"{where}.input_activations"
+    return Fp8Config(weights, acts, True, "weight_scale", "compressed-tensors checkpoint", experts_field)
 
 
 def quant_config(hf_config, quantization: str | None = None) -> Fp8Config | None:
@@ -149,8 +159,22 @@ def quant_config(hf_config, quantization: str | None = None) -> Fp8Config | None
     else:
         return None
     experts = [f for f in _EXPERT_FIELDS if (getattr(hf_config, f, 0) or 0) > 0]
-    if experts:
+    if experts and cfg.experts_field:
         family = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
-        _bad("quantization", f"fp8 for the MoE experts of {family} is not supported yet ({experts[0]}="
-             f"{getattr(hf_config, experts[0])}); run it unquantised")
+        _bad(cfg.experts_field, f"fp8 MoE experts ({family}, {experts[0]}={getattr(hf_config, experts[0])}) take "
+             "128x128 block weight scales with activations per token and 128 group (weight_block_size [128, 128]; "
+             f"compressed-tensors block with dynamic group 128 activations); this checkpoint is {cfg.describe()}")
     return cfg
+
+
+def has_experts(hf_config) -> bool:
+    return any((getattr(hf_config, f, 0) or 0) > 0 for f in _EXPERT_FIELDS)
+
+
+def experts_config(cfg: Fp8Config) -> Fp8Config:
+    """The routed experts' layout under the model's quantisation ``cfg`` (accepted by ``quant_config``): a block
+    checkpoint's own; quantised at load, 128 x 128 blocks (the dense layers' per-channel scales have no kernel for
+    the experts; blocks are the layout the block checkpoints ship)."""
+    if cfg.checkpoint:
+        return cfg
+    return Fp8Config("block", "group", False, "weight_scale_inv", cfg.source)

@@ -186,8 +186,9 @@ def _max_loader(param, loaded, shard_id=None):
 
 
 def _dummy_fp8(param, generator, std):
-    for row in range(0, param.shape[0], 4096):  # in slices: a float32 copy of the whole weight is 4x its bytes
-        part = param.data[row:row + 4096]
+    flat = param.data.view(-1, param.shape[-1])  # rows of a weight, or of a stack of experts' weights
+    for row in range(0, flat.shape[0], 4096):  # in slices: a float32 copy of the whole weight is 4x its bytes
+        part = flat[row:row + 4096]
         tmp = torch.empty(part.shape, dtype=torch.float32, device=param.device).normal_(0.0, 1.0, generator=generator)
         part.copy_(tmp.clamp_(-FP8_MAX, FP8_MAX))
 

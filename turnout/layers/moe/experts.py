@@ -18,6 +18,10 @@ takes this rank's slice of a full checkpoint tensor, per-expert or stacked:
 
 Either way ``forward`` returns this rank's partial sum of the routed output; the MoE block sums over the
 ranks with one ``all_reduce`` (with the shared expert's partial sum folded in).
+
+Quantised (``quant``: the plan's ``experts_quant``, turnout/quant/moe_fp8.py) the method creates the two stacks in
+fp8 with their block scales ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv`` (per-expert checkpoint scales
+map there through ``expert_weight_rules``) and runs the forward (``ops.moe_experts_fp8``).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def _check(what: str, want: tuple, loaded: torch.Tensor) -> None:
 
 class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops, *, tp: TPGroup = SINGLE,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, quant=None):
         super().__init__()
         self.num_experts = num_experts  # all of them: the routing's E
         self.hidden_size = hidden_size
@@ -60,15 +64,36 @@ class FusedExperts(nn.Module):
             self.local_intermediate = _split(intermediate_size, tp.size, "moe intermediate size")
             self.expert_start, self.inter_start = 0, tp.rank * self.local_intermediate
         el, il = self.num_local_experts, self.local_intermediate
-        # [E_local, 2 I_local, H] and [E_local, H, I_local]; filled by the weight loaders.
-        self.gate_up_proj = nn.Parameter(torch.empty(el, 2 * il, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(el, hidden_size, il), requires_grad=False)
+        self.quant = quant
+        if quant is not None:  # fp8 stacks and their block scales, its own loaders (turnout/quant/moe_fp8.py)
+            quant.create_weights(self, ops)
+        else:
+            # [E_local, 2 I_local, H] and [E_local, H, I_local]; filled by the weight loaders.
+            self.gate_up_proj = nn.Parameter(torch.empty(el, 2 * il, hidden_size), requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(el, hidden_size, il), requires_grad=False)
+            self.gate_up_proj.weight_loader = self.weight_loader
+            self.down_proj.weight_loader = self.weight_loader
         # The walker counts a parameter loaded once every shard id listed here was seen: this rank's experts.
-        mine = range(self.expert_start, self.expert_start + el)
-        self.gate_up_proj.shard_ids = tuple((e, s) for e in mine for s in ("gate", "up"))
-        self.down_proj.shard_ids = tuple((e, "down") for e in mine)
-        self.gate_up_proj.weight_loader = self.weight_loader
-        self.down_proj.weight_loader = self.weight_loader
+        self.gate_up_proj.shard_ids = self.shard_ids(("gate", "up"))
+        self.down_proj.shard_ids = self.shard_ids(("down",))
+
+    def shard_ids(self, shards: tuple[str, ...]) -> tuple:
+        """The (expert id, shard) pairs of this rank's experts: what a stacked parameter's loaders must see."""
+        return tuple((e, s) for e in range(self.expert_start, self.expert_start + self.num_local_experts)
+                     for s in shards)
+
+    def rank_slice(self, loaded: torch.Tensor, expert_id, shard: str):
+        """(local expert index, this rank's part of one full per-expert checkpoint tensor: rows [I_local, H] of a gate
+        or up, columns [H, I_local] of a down), or None for an expert another rank holds."""
+        e = int(expert_id)
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"expert id {expert_id} out of range [0, {self.num_experts})")
+        down = shard == "down"
+        _check(f"expert {e} {shard}", (self.hidden_size, self.intermediate_size) if down
+               else (self.intermediate_size, self.hidden_size), loaded)
+        if not self.expert_start <= e < self.expert_start + self.num_local_experts:
+            return None
+        return e - self.expert_start, loaded.narrow(1 if down else 0, self.inter_start, self.local_intermediate)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id=None, shard: str | None = None):
         """Copy this rank's slice of one full checkpoint tensor into the stack.
@@ -92,27 +117,25 @@ class FusedExperts(nn.Module):
             else:
                 param.data.copy_(mine.narrow(2, i0, il))
             return
-        if not 0 <= int(expert_id) < self.num_experts:
-            raise ValueError(f"expert id {expert_id} out of range [0, {self.num_experts})")
-        e = int(expert_id)
-        if param is self.gate_up_proj and shard in ("gate", "up"):
-            _check(f"expert {e} {shard}", (inter, hidden), loaded)
-        elif param is self.down_proj and shard == "down":
-            _check(f"expert {e} down", (hidden, inter), loaded)
-        else:
+        if not ((param is self.gate_up_proj and shard in ("gate", "up"))
+                or (param is self.down_proj and shard == "down")):
             raise ValueError(f"shard {shard!r} does not belong in this parameter {tuple(param.shape)}")
-        if not e0 <= e < e0 + el:  # another rank's expert
+        placed = self.rank_slice(loaded, expert_id, shard)
+        if placed is None:  # another rank's expert
             return
+        e, part = placed
         if shard == "down":
-            param.data[e - e0].copy_(loaded.narrow(1, i0, il))
+            param.data[e].copy_(part)
         else:
-            param.data[e - e0].narrow(0, 0 if shard == "gate" else il, il).copy_(loaded.narrow(0, i0, il))
+            param.data[e].narrow(0, 0 if shard == "gate" else il, il).copy_(part)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] with the routing as given -> this rank's partial sum [T, H] (the whole sum on one rank)."""
         if self.expert_parallel:  # global ids -> this rank's; another rank's experts -> -1 (skipped by the op)
             local = topk_ids - self.expert_start
             topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
+        if self.quant is not None:
+            return self.quant.apply(self, hidden, topk_weights, topk_ids)
         return self.ops.moe_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
     def extra_repr(self) -> str:
@@ -121,7 +144,9 @@ class FusedExperts(nn.Module):
             split = f", experts {self.expert_start}+{self.num_local_experts} of ep {self.tp.size}"
         elif self.tp.size > 1:
             split = f", intermediate {self.inter_start}+{self.local_intermediate} of tp {self.tp.size}"
-        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{split}"
+        quant = f", {self.quant.describe()}" if self.quant is not None else ""
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+                f"{split}{quant}")
 
 
 def expert_weight_rules(module: str = r"mlp\.experts", target: str = "mlp.experts",
@@ -130,12 +155,15 @@ def expert_weight_rules(module: str = r"mlp\.experts", target: str = "mlp.expert
 
     ``names`` maps checkpoint projection names to shards (default HF ``gate_proj``/``up_proj``/
     ``down_proj``; Mixtral: ``w1``/``w3``/``w2``). ``module`` is the checkpoint's regex for the experts
-    module, ``target`` our module path.
+    module, ``target`` our module path. An fp8 checkpoint's per-expert block scales (``.weight_scale_inv``;
+    compressed-tensors: ``.weight_scale``) go to the stacks' ``*_scale_inv``, which only a quantised layer has.
     """
     names = names or {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     rules = []
     for ckpt_name, shard in names.items():
         param = "down_proj" if shard == "down" else "gate_up_proj"
-        rules.append((rf"(^|\.){module}\.(\d+)\.{re.escape(ckpt_name)}\.weight$", rf"\g<1>{target}.{param}",
-                      lambda m, shard=shard: (int(m.group(2)), shard)))
+        for suffix, ours in (("weight", param), ("weight_scale_inv", param + "_scale_inv"),
+                             ("weight_scale", param + "_scale_inv")):
+            rules.append((rf"(^|\.){module}\.(\d+)\.{re.escape(ckpt_name)}\.{suffix}$", rf"\g<1>{target}.{ours}",
+                          lambda m, shard=shard: (int(m.group(2)), shard)))
     return rules

@@ -118,7 +118,7 @@ class SparseMoeBlock(nn.Module):
             self.fc1_latent_proj = ReplicatedLinear(hidden_size, latent_size, bias=False, ops=ops, plan=plan)
             self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden_size, bias=False, ops=ops, plan=plan)
         self.experts = FusedExperts(routing.num_experts, expert_dim, moe_intermediate_size, ops, tp=tp,
-                                    expert_parallel=expert_parallel)
+                                    expert_parallel=expert_parallel, quant=plan.experts_quant)
         self.shared_name = shared_name if shared_intermediate_size else None
         if shared_intermediate_size:
             self.add_module(shared_name, SharedExpertMLP(hidden_size, shared_intermediate_size, ops, plan, tp))

@@ -4,8 +4,8 @@ from turnout.ops.spec import OpSpec
 
 
 def all_specs() -> list[OpSpec]:
-    from turnout.ops.reference import (activation, attention, bitmask, cache, collectives, fp8, linear, moe, norm,
-                                       rotary, routing, sampling, swap)
+    from turnout.ops.reference import (activation, attention, bitmask, cache, collectives, fp8, linear, moe, moe_fp8,
+                                       norm, rotary, routing, sampling, swap)
 
     return [norm.RMS_NORM, norm.FUSED_ADD_RMS_NORM, rotary.ROTARY_EMBEDDING, rotary.QK_NORM_ROTARY, rotary.QK_NORM_ROTARY_CACHE,
             activation.SILU_AND_MUL,
@@ -14,4 +14,4 @@ def all_specs() -> list[OpSpec]:
             linear.ADD_RMS_NORM_LINEAR, attention.ROTARY_PAGED_ATTENTION,
             bitmask.APPLY_TOKEN_BITMASK, swap.SWAP_LAYER, swap.SWAP_LAYER_ASYNC,
             collectives.ALL_REDUCE, collectives.ALL_GATHER, collectives.REDUCE_SCATTER, collectives.ALL_TO_ALL,
-            fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR]
+            fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR, moe_fp8.MOE_EXPERTS_FP8]
