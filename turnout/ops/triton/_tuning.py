@@ -8,7 +8,8 @@ code. Unset, the built-in choices apply. They come from ``turnout.envs`` (parsed
 when it is launched, i.e. at graph capture:
 
 * ``TURNOUT_SMALL_M_TILES`` (``small_m_tiles()``): ``{"N,K": [block_n, block_k, num_warps, num_stages], ...}``
-  for the one-row path of ``small_m_linear`` (turnout/ops/triton/linear.py);
+  for the one-row path of ``small_m_linear`` (turnout/ops/triton/linear.py), and of ``fp8_linear``
+  (turnout/ops/triton/fp8.py; block_n a power of two, so a program's rows stay in one 128-row scale block);
 * ``TURNOUT_MOE_DECODE_CONFIG`` (``moe_decode_fields()``): ``{"field": value, ...}``, fields of
   ``DecodeConfig`` (turnout/ops/triton/moe_decode.py);
 * ``TURNOUT_ATTN_DECODE`` (``attn_decode()``): ``{"num_splits": n, "block_n": n, "num_warps": n,

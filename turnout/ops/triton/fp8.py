@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from turnout.ops.reference.fp8 import BLOCK, FP8, FP8_MAX, MIN_SCALE, weight_layout
-from turnout.ops.triton._tuning import interpreted
+from turnout.ops.triton._tuning import interpreted, small_m_tiles
 
 _INTERPRET = interpreted()
 
@@ -251,7 +251,7 @@ def fp8_linear(x, weight, weight_scale, bias=None):
     x = x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = _row_tiles(n)
+    bn, bk, warps, stages = small_m_tiles().get((n, k)) or _row_tiles(n)  # TURNOUT_SMALL_M_TILES by "N,K"
     bk = max(128, min(bk, triton.next_power_of_2(k)))
     bn = 1 << (bn.bit_length() - 1)  # a power of two, so a program's rows never straddle a 128-row block
     _row_kernel[(triton.cdiv(n, bn),)](x, weight, weight_scale, bias if bias is not None else y, y, n, k,
