@@ -22,6 +22,12 @@ next op (async -> sync -> whole cache; copies out: sync -> async in line -> whol
 That is safe because no copy writes its source: a swap-in reads the host blocks, a swap-out the device
 blocks, and the retry overwrites whatever the failed call left in the destination blocks. Under a strict
 ops policy there is no such fallback (the guard's error is raised).
+
+Under tensor parallelism every rank holds its shard of each block (its KV heads) and its own host caches of the
+same block count; the driver rank's runner sends each step's swap-outs and swap-ins to the other ranks (step
+messages, turnout/worker/step_codec.py) ahead of the step, and each rank runs them through its own op table
+and gate. The start-up measurements of auto run on every rank at the same point (the probe forward's
+collectives meet); the driver's decide.
 """
 
 from __future__ import annotations
@@ -113,8 +119,6 @@ class KVTransfer:
         why_not = None
         if self.strategy is None:
             why_not = "no swap op can run here (" + "; ".join(f"{op}: {why}" for op, why in self.skipped) + ")"
-        elif config.tensor_parallel_size > 1:
-            why_not = "swapping under tensor parallelism is not built yet"
         bb = runner.block_bytes
         if why_not is not None:
             if mode == "swap":
@@ -223,6 +227,8 @@ class KVTransfer:
         that swap-in gated layer by layer (hidden = 1 - (with - alone) / copy). Medians of ``iters``
         interleaved runs. Only before any request owns a block (it writes blocks nothing owns yet)."""
         r = self.runner
+        if r.config.tensor_parallel_size > 1:  # its forwards would meet no peer in their collectives
+            return {"hidden": None, "why": "n/a (measured on one rank only: tensor_parallel_size 1)"}
         if self.strategy is None or self.strategy[1] != "swap_layer_async" or not self.num_host_blocks:
             why = ("no device streams" if not r.platform.is_gpu else
                    "no host blocks" if not self.num_host_blocks else f"swap-ins run {self.strategy and self.strategy[0]}")

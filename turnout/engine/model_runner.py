@@ -302,6 +302,8 @@ class ModelRunner:
             mapping = self._h2d(list(copy_on_write), torch.long)
             self.ops.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
         if swap_in:  # after copy-on-write, before any read of the blocks (kv/tiers.py: the copy order)
+            if self.step_publisher is not None:  # every rank holds its shard of the blocks
+                self.step_publisher.swap_in(list(swap_in))
             self._swap_gate = self.kv_transfer.swap_in(list(swap_in))
         pending = input_tokens is not None
         input_ids, positions, meta, sample_idx = self.prepare_host(scheduled, pending)
@@ -397,6 +399,8 @@ class ModelRunner:
     def swap_out(self, pairs) -> None:
         """Device -> host block copies (swap-outs, evictions to the host tier), before anything else of the
         step (kv/tiers.py)."""
+        if self.step_publisher is not None:
+            self.step_publisher.swap_out(list(pairs))
         self.kv_transfer.swap_out(list(pairs))
 
     def _grammar_stage(self):

@@ -39,10 +39,18 @@ class StepPublisher:
     def __init__(self, conns, group, health=None):
         self.conns, self.group, self.health = conns, group, health
 
-    def copy_blocks(self, copy_on_write) -> None:
-        msg = step_codec.encode_copy(copy_on_write)
+    def copy_blocks(self, copy_on_write, kind: bytes = step_codec.COPY) -> None:
+        msg = step_codec.encode_copy(copy_on_write, kind)
         for c in self.conns:
             c.send_bytes(msg)
+
+    def swap_out(self, pairs) -> None:
+        """(device, host) block copies: every rank copies its own shard of the blocks to its host cache."""
+        self.copy_blocks(pairs, step_codec.SWAP_OUT)
+
+    def swap_in(self, pairs) -> None:
+        """(host, device) block copies, landing before the next step's forward reads them on every rank."""
+        self.copy_blocks(pairs, step_codec.SWAP_IN)
 
     def step(self, input_ids, positions, meta, sample_idx, has_lanes: bool, input_tokens) -> None:
         pending = input_tokens is not None

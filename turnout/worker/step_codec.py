@@ -1,8 +1,9 @@
 """One engine step's model inputs as one flat int64 buffer: what the driver rank sends the other ranks of a
 tensor-parallel engine each step (turnout/executor/multiproc.py). Plain integers, no per-request Python objects,
 never pickled: a header, then ids, positions, slots, the block tables, sequence lengths, query starts and
-the rows that sample. Block copies (copy-on-write) go in a message of their own, since the driver runs them
-before it builds the step's inputs (and a step rebuilt after a fault does not run them again)."""
+the rows that sample. Block copies (copy-on-write, and the KV tiers' swaps between the device and host caches)
+go in messages of their own, since the driver runs them before it builds the step's inputs (and a step rebuilt
+after a fault does not run them again)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from turnout.layers.attention import AttentionMetadata
 
 STEP, COPY, RPC, QUIT = b"S", b"C", b"R", b"Q"
+SWAP_OUT, SWAP_IN = b"O", b"I"  # KV tier copies (engine/kv_transfer.py): (device, host) / (host, device) pairs
 _PAD = 8  # the kind byte is padded to 8 so that the int64 payload is aligned
 _HEADER = 8  # n_tokens, n_seqs, max_blocks, n_sample, max_query_len, max_seq_len, has_lanes, pending
 
@@ -50,8 +52,9 @@ def decode_step(msg: bytes):
     return ids.clone(), pos.clone(), meta, sample.tolist(), int(has_lanes), bool(pending)
 
 
-def encode_copy(copy_on_write) -> bytes:
-    return _frame(COPY, torch.tensor(list(copy_on_write), dtype=torch.int64).flatten())
+def encode_copy(copy_on_write, kind: bytes = COPY) -> bytes:
+    """Block pairs: copy-on-write (COPY), or the KV tiers' swap-outs / swap-ins (SWAP_OUT / SWAP_IN)."""
+    return _frame(kind, torch.tensor(list(copy_on_write), dtype=torch.int64).flatten())
 
 
 def decode_copy(msg: bytes) -> list[tuple[int, int]]:

@@ -18,6 +18,7 @@ import traceback
 
 import torch
 
+from turnout.engine.kv_transfer import LayerGatedCaches
 from turnout.worker import step_codec
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Worker:
                                  enable_expert_parallel=config.enable_expert_parallel,
                                  quantization=config.quantization)
         self.runner = None
+        self._swap_gate = None  # swap-ins received for the next step (swap)
         if runner:
             self.build_runner()
 
@@ -109,18 +111,42 @@ class Worker:
 
             input_ids = torch.empty(input_ids.shape, dtype=torch.long, device=self.device)
             dist.broadcast(input_ids, src=0, group=self.tp.group)
+        gate, self._swap_gate = self._swap_gate, None  # swap-ins sent ahead of this step (SWAP_IN)
         if has_lanes == 1 and r.graphs is not None and r.graphs.can_run(len(sample_idx), meta):
+            if gate is not None:  # the graph reads every layer
+                gate.finish()
             r.graphs.run(input_ids, positions, meta)  # the driver replays its graph: so does this rank
             return
         dev_ids, positions, meta = r._to_device(input_ids, positions, meta)
         if not pending:
             input_ids = dev_ids
-        hidden = r.model(input_ids, positions, r.kv_caches, meta)
+        try:
+            hidden = r.model(input_ids, positions, r.kv_caches if gate is None else LayerGatedCaches(r.kv_caches, gate),
+                             meta)
+        finally:
+            if gate is not None:
+                gate.finish()
         if not has_lanes:
             return
         if len(sample_idx) != hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(sample_idx, dtype=torch.long, device=self.device))
         r.model.compute_logits(hidden)
+
+    def flush_swaps(self) -> None:
+        """Land the swap-ins of a step whose forward never came (the driver's step failed before it): before
+        any other message, so that what follows sees the blocks filled."""
+        gate, self._swap_gate = self._swap_gate, None
+        if gate is not None:
+            gate.finish()
+
+    def swap(self, msg: bytes) -> None:
+        """The driver's swap-outs (run now, in line) or swap-ins (a gate the next step's forward passes layer
+        by layer), on this rank's shard of the blocks (turnout/engine/kv_transfer.py)."""
+        pairs = step_codec.decode_copy(msg)
+        if step_codec.kind_of(msg) == step_codec.SWAP_OUT:
+            self.runner.kv_transfer.swap_out(pairs)
+        else:
+            self._swap_gate = self.runner.kv_transfer.swap_in(pairs)
 
     def copy_blocks(self, msg: bytes) -> None:
         pairs = step_codec.decode_copy(msg)
@@ -137,6 +163,8 @@ class Worker:
             except (EOFError, OSError):  # the engine process is gone: leave, no orphan
                 break
             kind = step_codec.kind_of(msg)
+            if kind != step_codec.STEP:
+                self.flush_swaps()
             if kind == step_codec.STEP:
                 self.run_step(msg)
                 steps += 1
@@ -144,6 +172,8 @@ class Worker:
                     progress[self.rank] = steps
             elif kind == step_codec.COPY:
                 self.copy_blocks(msg)
+            elif kind in (step_codec.SWAP_OUT, step_codec.SWAP_IN):
+                self.swap(msg)
             elif kind == step_codec.RPC:
                 # From the engine process that spawned this rank, over a private pipe; no request reaches it.
                 method, args, kwargs = pickle.loads(msg[8:])
