@@ -11,23 +11,6 @@ import transformers
 from turnout import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * 0.05
-            p.copy_((1.0 + 2 * noise) if "norm" in name else 2 * noise)
-    d = tmp_path_factory.mktemp("qwen2")
-    hf.save_pretrained(d, safe_serialization=True)
-    return str(d)
-
-
 def _prompts():
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(0, 320, (20,), generator=g).tolist()  # a prefix shared by two prompts

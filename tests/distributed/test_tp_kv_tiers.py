@@ -7,29 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from turnout import LLM, SamplingParams
 
 # 2 layers x (k, v) x 16 tokens x 1 KV head (of 2, split over 2 ranks) x 16 dims x 4 bytes
 BLOCK = 2 * 2 * 16 * 1 * 16 * 4
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   tie_word_embeddings=False)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * 0.05
-            p.copy_((1.0 + 2 * noise) if "norm" in name else 2 * noise)
-    d = tmp_path_factory.mktemp("qwen2")
-    hf.save_pretrained(d, safe_serialization=True)
-    return str(d)
 
 
 def _prompts(n=6, length=40):
