@@ -11,6 +11,7 @@ OUTDIR/fp8_summary.json collects the ratios the issue asks for):
             (fraction of copy bandwidth over the fp8 bytes: decode_GB_s / copy_GB_s); and bf16 beside it
   prefill   8 x 2048 in / 1 out in fp8: prefill TFLOP/s against the measured fp8 GEMM rate
   throughput  512 x (1024 in / 512 out) in fp8 (THROUGHPUT_BF16=1: bf16 too)
+  throughput_kv  the same in fp8 with --kv-cache-dtype fp8
   hf        HF transformers bf16 on the same config (benchmarks/hf_peer.py: batch-1 latency, throughput)
   moe       Qwen3-30B-A3B (benchmarks/configs/qwen3_30b_a3b.json, whatever --model): the experts op alone, Triton
             moe_experts_fp8 against bf16 moe_experts at T = 1 .. 4096 (us, GB/s of the experts' weights a call
@@ -138,13 +139,23 @@ def prefill(args) -> dict:
                                                  "--max-num-batched-tokens", "16384", *FP8], 150)}
 
 
+THR = ["throughput", "--input-len", "1024", "--output-len", "512", "--max-num-seqs", "512",
+       "--max-num-batched-tokens", "16384"]
+
+
 def throughput(args) -> dict:
-    thr = ["throughput", "--num-prompts", str(args.num_prompts), "--input-len", "1024", "--output-len", "512",
-           "--max-num-seqs", "512", "--max-num-batched-tokens", "16384"]
+    thr = [*THR, "--num-prompts", str(args.num_prompts)]
     out = {"fp8": _bench(args, "throughput_fp8", [*thr, *FP8], 280)}
     if os.environ.get("THROUGHPUT_BF16") == "1":
         out["bf16"] = _bench(args, "throughput_bf16", thr, 250)
     return out
+
+
+def throughput_kv(args) -> dict:
+    """fp8 weights and an fp8 KV cache: a decode step at ~500 sequences reads the whole cache once (two thirds of
+    the bf16-cache step, docs/benchmarks.md eleventh session), so the cache's bytes bound the 16,000 tok/s target."""
+    thr = [*THR, "--num-prompts", str(args.num_prompts), "--kv-cache-dtype", "fp8"]
+    return {"fp8": _bench(args, "throughput_fp8_kv", [*thr, *FP8], 280)}
 
 
 def hf(args) -> dict:
@@ -234,7 +245,8 @@ def summary(out_dir: str) -> dict:
          "prefill_TFLOP_s_fp8": pf_rate, "prefill_fraction_of_fp8_gemm": pf_rate / fp8_rate if pf_rate and fp8_rate
          else None,
          "throughput_output_tok_s_fp8": _get(thr, "fp8", "results", "output_tok_s") or _get(thr, "fp8", "output_tok_s"),
-         "throughput_output_tok_s_bf16": _get(thr, "bf16", "results", "output_tok_s") or _get(thr, "bf16", "output_tok_s")}
+         "throughput_output_tok_s_bf16": _get(thr, "bf16", "results", "output_tok_s") or _get(thr, "bf16", "output_tok_s"),
+         "throughput_output_tok_s_fp8_kv_fp8": _get(load("throughput_kv"), "fp8", "output_tok_s")}
     for batch in (1, 64):
         for dt in ("fp8", "bf16"):
             run = _get(moe_, f"latency_batch{batch}", dt)
@@ -251,8 +263,8 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=512)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    parts = {"kernels": kernels, "latency": latency, "prefill": prefill, "throughput": throughput, "hf": hf, "moe": moe,
-             "moe_b64": moe_b64}
+    parts = {"kernels": kernels, "latency": latency, "prefill": prefill, "throughput": throughput,
+             "throughput_kv": throughput_kv, "hf": hf, "moe": moe, "moe_b64": moe_b64}
     for part in args.parts.split(","):
         if part not in parts:
             raise SystemExit(f"--parts: unknown part {part!r} ({', '.join(parts)})")

@@ -134,7 +134,8 @@ def storm(args, mode: str) -> dict:
     rng = random.Random(args.seed + 1)
     prompts = [[rng.randrange(10, args.vocab - 10) for _ in range(args.storm_prompt)] for _ in range(args.storm_seqs)]
     llm = make_llm(args, args.storm_blocks, preemption_mode=mode, max_num_seqs=args.storm_seqs,
-                   swap_space=args.storm_swap_gb, max_model_len=args.storm_prompt + args.storm_output + 8)
+                   swap_space=args.storm_swap_gb, max_model_len=args.storm_prompt + args.storm_output + 8,
+                   batch_invariant=args.batch_invariant)
     eng = llm.engine
     llm.generate(prompts[0][:16], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     before = eng.get_stats()
@@ -167,6 +168,10 @@ def main() -> None:
                     help="mean seconds (exponential) between a turn's answer and the next message; 0: at once")
     ap.add_argument("--conv-interval", type=float, default=0.0,
                     help="seconds between conversation starts; 0: all at once (a closed, saturating load)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the storm in batch-invariant mode: its two runs batch differently, so only then do greedy "
+                         "tokens on bf16 random weights compare equal (a recomputed sequence's KV is still written "
+                         "by a prefill, a swapped one's by its decode steps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: multiturn, storm")
     ap.add_argument("--json", default=None)
