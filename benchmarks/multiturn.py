@@ -169,9 +169,9 @@ def main() -> None:
     ap.add_argument("--conv-interval", type=float, default=0.0,
                     help="seconds between conversation starts; 0: all at once (a closed, saturating load)")
     ap.add_argument("--batch-invariant", action="store_true",
-                    help="the storm in batch-invariant mode: its two runs batch differently, so only then do greedy "
-                         "tokens on bf16 random weights compare equal (a recomputed sequence's KV is still written "
-                         "by a prefill, a swapped one's by its decode steps)")
+                    help="the storm in batch-invariant mode: its two runs batch (and recompute) differently, so "
+                         "on bf16 random weights, whose argmax margins are below rounding, only then can greedy "
+                         "tokens compare equal")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: multiturn, storm")
     ap.add_argument("--json", default=None)
