@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import time
 
 import torch
 
-from turnout.engine.concurrency import default_max_num_seqs, profile_rows
+from turnout.engine.concurrency import default_max_num_seqs
 from turnout.engine.cuda_graphs import maybe_capture
+from turnout.engine.kv_sizing import kv_dtype, kv_geometry, plan_kv_blocks
 from turnout.engine.kv_transfer import KVTransfer, LayerGatedCaches
 from turnout.engine.prompt_logprobs import compute_chunks, merge_rows, prompt_rows
 from turnout.engine.rank_memory import RankMemory
@@ -20,17 +19,6 @@ from turnout.engine.sequence import SequenceFaults
 from turnout.layers.sampler import SamplerOutput, SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
-
-
-CPU_DEFAULT_KV_BYTES = 1 << 30
-
-
-def kv_geometry(hf_config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of the attention layers."""
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return hf_config.num_hidden_layers, kv_heads, head_dim
 
 
 class ModelRunner:
@@ -65,8 +53,8 @@ class ModelRunner:
         # The decode fusions were fixed when the model was built (its fusion plan, turnout/layers/fusion.py).
         logger.info("decode fusions: %s", self.model.plan.describe())
         # The cache's storage dtype (turnout/ops/kv_cache.py): the model's, or float8_e4m3fn (bytes per token halve)
-        self.kv_dtype = self._kv_dtype()
-        self.num_blocks = self._plan_kv_blocks()
+        self.kv_dtype = kv_dtype(self)
+        self.num_blocks = plan_kv_blocks(self)
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
@@ -101,64 +89,6 @@ class ModelRunner:
     def block_bytes(self) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-    def _kv_dtype(self) -> torch.dtype:
-        from turnout.ops.kv_cache import cache_torch_dtype, check_fp8_storage
-
-        dtype = cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
-        if dtype != self.dtype:
-            check_fp8_storage(self.device, self.platform.name)
-        return dtype
-
-    # ---- KV cache sizing -------------------------------------------------------------------
-    def _plan_kv_blocks(self) -> int:
-        if self.config.kv_cache_memory is not None:
-            budget = self.config.kv_cache_memory
-        elif not self.platform.is_gpu:
-            budget = CPU_DEFAULT_KV_BYTES
-        else:
-            budget = self._profile_gpu_budget()
-        blocks = int(budget // self.block_bytes)
-        if blocks < 2:
-            raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV blocks of "
-                             f"{self.block_bytes} bytes; give more memory")
-        return blocks
-
-    def _profile_gpu_budget(self) -> int:
-        """Run the largest batch once with a scratch cache; the KV budget is what remains of
-        total * gpu_memory_utilization after that peak and after memory used outside torch."""
-        dev = self.device
-        n = self.config.max_num_batched_tokens
-        scratch_blocks = math.ceil(n / self.block_size) + 1
-        shape = (scratch_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        scratch = [(torch.empty(shape, dtype=self.kv_dtype, device=dev),
-                    torch.empty(shape, dtype=self.kv_dtype, device=dev)) for _ in range(self.num_layers)]
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        ids = torch.zeros(n, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
-            block_tables=torch.arange(scratch_blocks, dtype=torch.int32, device=dev)[None],
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            max_query_len=n, max_seq_len=n)
-        with torch.inference_mode():
-            hidden = self.model(ids, torch.arange(n, device=dev), scratch, meta)
-            self.model.compute_logits(hidden[-profile_rows(self.config):])
-        torch.cuda.synchronize(dev)
-        scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
-        peak = torch.cuda.max_memory_allocated(dev) - scratch_bytes
-        del scratch, hidden
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        outside_torch = total - free - torch.cuda.memory_reserved(dev)
-        budget = int(total * self.config.gpu_memory_utilization - peak - outside_torch)
-        logger.info("memory profile: total %.1f GiB, peak activations+weights %.2f GiB, outside torch %.2f GiB",
-                    total / 2**30, peak / 2**30, outside_torch / 2**30)
-        if budget <= 0:
-            raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization}: no memory left for the "
-                             f"KV cache (peak {peak / 2**30:.2f} GiB of {total / 2**30:.1f} GiB)")
-        return budget
 
     # ---- one step --------------------------------------------------------------------------
     def _host(self, x, dtype) -> torch.Tensor:

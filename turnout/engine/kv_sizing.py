@@ -1,0 +1,86 @@
+"""How big the paged KV cache is: its geometry, storage dtype and block count (the model runner's start-up; a
+module of its own so the runner keeps to the step)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from turnout.engine.concurrency import profile_rows
+from turnout.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def kv_geometry(hf_config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of the attention layers."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return hf_config.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_dtype(runner) -> torch.dtype:
+    """The cache's storage dtype (turnout/ops/kv_cache.py): the model's, or float8_e4m3fn (bytes per token halve)."""
+    from turnout.ops.kv_cache import cache_torch_dtype, check_fp8_storage
+
+    dtype = cache_torch_dtype(runner.config.kv_cache_dtype, runner.dtype)
+    if dtype != runner.dtype:
+        check_fp8_storage(runner.device, runner.platform.name)
+    return dtype
+
+
+def plan_kv_blocks(runner) -> int:
+    """How many KV blocks the cache gets: the configured bytes, 1 GiB on CPU, or what a GPU has left after profiling."""
+    if runner.config.kv_cache_memory is not None:
+        budget = runner.config.kv_cache_memory
+    elif not runner.platform.is_gpu:
+        budget = CPU_DEFAULT_KV_BYTES
+    else:
+        budget = profile_gpu_budget(runner)
+    blocks = int(budget // runner.block_bytes)
+    if blocks < 2:
+        raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV blocks of "
+                         f"{runner.block_bytes} bytes; give more memory")
+    return blocks
+
+
+def profile_gpu_budget(runner) -> int:
+    """Run the largest batch once with a scratch cache; the KV budget is what remains of
+    total * gpu_memory_utilization after that peak and after memory used outside torch."""
+    dev = runner.device
+    n = runner.config.max_num_batched_tokens
+    scratch_blocks = math.ceil(n / runner.block_size) + 1
+    shape = (scratch_blocks, runner.block_size, runner.num_kv_heads, runner.head_dim)
+    scratch = [(torch.empty(shape, dtype=runner.kv_dtype, device=dev),
+                torch.empty(shape, dtype=runner.kv_dtype, device=dev)) for _ in range(runner.num_layers)]
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    ids = torch.zeros(n, dtype=torch.long, device=dev)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
+        block_tables=torch.arange(scratch_blocks, dtype=torch.int32, device=dev)[None],
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        max_query_len=n, max_seq_len=n)
+    with torch.inference_mode():
+        hidden = runner.model(ids, torch.arange(n, device=dev), scratch, meta)
+        runner.model.compute_logits(hidden[-profile_rows(runner.config):])
+    torch.cuda.synchronize(dev)
+    scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
+    peak = torch.cuda.max_memory_allocated(dev) - scratch_bytes
+    del scratch, hidden
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    outside_torch = total - free - torch.cuda.memory_reserved(dev)
+    budget = int(total * runner.config.gpu_memory_utilization - peak - outside_torch)
+    logger.info("memory profile: total %.1f GiB, peak activations+weights %.2f GiB, outside torch %.2f GiB",
+                total / 2**30, peak / 2**30, outside_torch / 2**30)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={runner.config.gpu_memory_utilization}: no memory left for the "
+                         f"KV cache (peak {peak / 2**30:.2f} GiB of {total / 2**30:.1f} GiB)")
+    return budget
