@@ -65,3 +65,21 @@ def test_no_swap_op_at_all_leaves_the_engine_table_whole():
 def test_a_required_op_still_fails_resolution():
     with pytest.raises(OpUnavailableError, match="rms_norm"):
         resolve(CPU, Policy.parse("rms_norm=vendor.cuda", source="test"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_triton_swap_kernel_scattered_blocks(dtype):
+    """The Triton swap kernel (under the interpreter here: both sides host memory) moves exactly the mapped blocks
+    of k and v, fp8 as bytes, and a lone last tensor of an odd list too; nothing else is written."""
+    from turnout.ops.triton.swap import swap_layer
+
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn((10, 16, 2, 8), generator=g).to(dtype) for _ in range(3)]
+    dst = [torch.zeros((7, 16, 2, 8), dtype=dtype) for _ in range(3)]
+    mapping = torch.tensor([[3, 0], [9, 6], [0, 2]])
+    swap_layer(src, dst, mapping)
+    for s, d in zip(src, dst):
+        for a, b in mapping.tolist():
+            assert torch.equal(d[b].view(torch.uint8), s[a].view(torch.uint8))
+        for untouched in (1, 3, 4, 5):
+            assert not d[untouched].view(torch.uint8).any()
