@@ -158,6 +158,8 @@ class Fp8LinearMethod:
             staging = torch.empty(param.shape, dtype=loaded.dtype, device=param.device)
             layer.weight_loader(staging, loaded, shard_id) if shard_id is not None else \
                 layer.weight_loader(staging, loaded)
+            if param.is_meta:  # update_weights' check against meta stand-ins: it fits; write nothing (the scales
+                return         # are buffers, not stood in)
             off, size, _ = self._rows(layer, shard_id) if shard_id is not None else (0, param.shape[0], 0)
             q, s = layer.quant_ops.quantize_fp8(staging.narrow(0, off, size), 0, None)
             param.data.narrow(0, off, size).copy_(q)

@@ -150,7 +150,7 @@ class Fp8MoeMethod:
             if gate_up != (shard in ("gate", "up")) or shard not in ("gate", "up", "down"):
                 raise ValueError(f"shard {shard!r} does not belong in this parameter {tuple(param.shape)}")
             placed = experts.rank_slice(loaded, expert_id, shard)
-            if placed is None:
+            if placed is None or param.is_meta:  # another rank's expert; or update_weights' check: it fits
                 return
             e, part = placed
             q, s = quantize_blocks(part.to(param.device))
