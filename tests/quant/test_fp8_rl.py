@@ -1,8 +1,9 @@
 """RL weight updates of an fp8 model (issue 23 with issue 20's control plane): a trainer holds float weights, the
 rollout engine runs ``quantization="fp8"``. ``LLM.update_weights`` with the trainer's float tensors must leave the
 engine exactly where a fresh engine built from the same float weights starts (the loaders quantise what they are
-sent), for a dense model (per-channel scales) and a Qwen3-MoE (experts in 128 x 128 blocks); a tensor that is
-already fp8 is refused naming it, rather than written as if it were float."""
+sent), for a dense model (per-channel scales) and a Qwen3-MoE (experts in 128 x 128 blocks), also after
+sleep(level=2) / wake_up; a tensor that is already fp8 is refused naming it, rather than written as if it were
+float."""
 
 from __future__ import annotations
 
@@ -42,3 +43,7 @@ def test_float_update_of_an_fp8_engine_equals_a_fresh_one(make, tmp_path):
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         llm.update_weights([(name, w.to(torch.float8_e4m3fn))])  # fp8 from the trainer: not taken as float
     assert _run(llm) == fresh  # all or nothing: the refused update wrote nothing
+    llm.sleep(level=2)  # the hybrid loop: weights discarded, then the trainer's (here: the first) float weights
+    llm.wake_up()
+    llm.update_weights(before.named_parameters())
+    assert _run(llm) == old
