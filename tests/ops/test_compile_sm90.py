@@ -7,24 +7,13 @@ ships in the Triton wheel, without a driver. Each kernel is compiled as the H200
 in each branch its constexprs select (tests/ops/compile_sm90_kernels.py, run in a subprocess because the
 test session runs under the interpreter)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton")
+from sm90_compile import require_compiler, run_script
 
-try:
-    import triton.backends.nvidia as _nv
-    from triton.language.extra.cuda import gdc_wait  # noqa: F401 - PDL needs Triton >= 3.3
-except ImportError as e:  # pragma: no cover
-    pytest.skip(f"this Triton cannot compile for CUDA here: {e}", allow_module_level=True)
-
-if not os.path.exists(os.path.join(os.path.dirname(_nv.__file__), "bin", "ptxas")):
-    pytest.skip("the Triton wheel has no ptxas", allow_module_level=True)
+require_compiler()
 
 SCRIPT = Path(__file__).with_name("compile_sm90_kernels.py")
 EXPECTED = 35  # kernel variants the script compiles
@@ -32,12 +21,7 @@ EXPECTED = 35  # kernel variants the script compiles
 
 @pytest.fixture(scope="module")
 def results():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    repo = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_script(SCRIPT)
 
 
 def test_every_decode_kernel_compiles_for_sm90_with_pdl(results):
