@@ -161,6 +161,31 @@ def test_tensor_parallel_shards_hold_slices_of_the_scales(fmt, hf_models, ids, c
             assert got.item() == max(scales[f"model.layers.1.self_attn.{p}_proj.input_scale"].item() for p in "qkv")
 
 
+def test_online_tensor_parallel_shards_are_slices_of_one_rank(hf_models, cpu_ops, tmp_path):
+    """quantization="fp8" at TP=2: each rank quantises the whole float row before taking its slice, so a
+    row-parallel rank's part of K keeps the row's one scale and both ranks hold exactly the slices of the one-rank
+    model's weights (with scales from each rank's slice they were another, equally valid, quantisation)."""
+    from dataclasses import replace
+
+    from turnout.layers.fusion import NO_FUSIONS
+    from turnout.quant import linear_quant
+
+    hf_models["qwen3"].save_pretrained(tmp_path)
+    whole = load_model(str(tmp_path), ops=cpu_ops, device="cpu", quantization="fp8").model
+    config = whole.config
+    full = _dequantised_hf_weights(whole)
+    for rank in range(2):
+        plan = replace(NO_FUSIONS, linear_quant=linear_quant(config, "fp8", cpu_ops))
+        shard = get_model_class(config.architectures)(config, cpu_ops, plan, TPGroup(rank, 2, group=object()))
+        shard.load_weights(iter_safetensors(safetensors_files(tmp_path)))
+        got = _dequantised_hf_weights(shard)
+        assert got.keys() == full.keys()
+        for name, w in got.items():
+            row_split = name.endswith(("o_proj.weight", "down_proj.weight"))
+            n = w.shape[1] if row_split else w.shape[0]
+            assert torch.equal(w, full[name].narrow(1 if row_split else 0, rank * n, n)), name
+
+
 def test_dummy_fp8_weights(cpu_ops):
     config = make_hf("qwen3").config
     config.architectures = ["Qwen3ForCausalLM"]

@@ -14,9 +14,10 @@ loads them unchanged:
 * ``input_scale [1]`` (static activations): the largest of the packed parts' scales, as one activation
   quantisation feeds them all.
 
-Quantised at load (``checkpoint=False``) the weight's loader quantises each row of a float checkpoint
-tensor (the ``quantize_fp8`` op, per row) after the layer's own loader has sliced it, and the row scales are
-a buffer, not a checkpoint tensor. With ``--load-format dummy`` the parameters say how to fill themselves
+Quantised at load (``checkpoint=False``) the weight's loader quantises each row of the whole float checkpoint
+tensor, then loads the fp8 tensor and its row scales as a per-channel checkpoint's (the layer's own slicing), so
+a tensor-parallel rank holds exactly its slice of the one-rank model; the row scales are a buffer, not a
+checkpoint tensor. With ``--load-format dummy`` the parameters say how to fill themselves
 (``dummy_init``): fp8 weights N(0, 1) with scale ``std``, so the value is N(0, std^2) as for float weights.
 """
 
@@ -151,19 +152,25 @@ class Fp8LinearMethod:
         return load
 
     def _online_loader(self, layer):
-        """Slice a float checkpoint tensor with the layer's own loader, then quantise the rows it filled."""
+        """Quantise the whole float checkpoint tensor, one scale per output row (max |w| over all of K / 448), and
+        load the fp8 tensor and its scales as a per-channel checkpoint's: a row-parallel rank's slice of K keeps
+        the whole row's scale, so every tensor-parallel size stores the same fp8 weights. (Dynamic activation scales
+        of a row-parallel input are still each rank's, over its slice of K, as in vLLM: TP=2's logits differ from
+        TP=1's by fp8 rounding where activations are quantised.)"""
+        scales = self._row_loader(layer)
+
         def load(param, loaded, shard_id=None):
             if loaded.dtype == FP8:
                 raise ValueError("an fp8 tensor in a checkpoint without quantization_config")
-            staging = torch.empty(param.shape, dtype=loaded.dtype, device=param.device)
-            layer.weight_loader(staging, loaded, shard_id) if shard_id is not None else \
-                layer.weight_loader(staging, loaded)
-            if param.is_meta:  # update_weights' check against meta stand-ins: it fits; write nothing (the scales
-                return         # are buffers, not stood in)
-            off, size, _ = self._rows(layer, shard_id) if shard_id is not None else (0, param.shape[0], 0)
-            q, s = layer.quant_ops.quantize_fp8(staging.narrow(0, off, size), 0, None)
-            param.data.narrow(0, off, size).copy_(q)
-            getattr(layer, self.config.scale_name).narrow(0, off, size).copy_(s)
+            if loaded.dim() != 2:
+                raise ValueError(f"expected a 2-D weight, got {tuple(loaded.shape)}")
+            args = () if shard_id is None else (shard_id,)
+            if param.is_meta:  # update_weights' check against meta stand-ins: does it fit? Write nothing (the
+                layer.weight_loader(param, torch.empty(loaded.shape, dtype=FP8, device="meta"), *args)
+                return         # scales are a buffer, not stood in)
+            q, s = layer.quant_ops.quantize_fp8(loaded.to(param.device), 0, None)  # per row: the op's per-token form
+            layer.weight_loader(param, q, *args)  # the layer's own slicing (packed parts, tensor-parallel rows / K)
+            scales(getattr(layer, self.config.scale_name), s, *args)
         return load
 
     # ---- forward ---------------------------------------------------------------------------------------
