@@ -51,6 +51,9 @@ class _EngineCollector:
                       s.generation_tokens_total if s else 0)
         yield counter("turnout_lookahead_steps", "Decode steps launched before the previous step's tokens were "
                       "read back (async scheduling).", s.lookahead_steps_total if s else 0)
+        yield counter("turnout_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (either tier) "
+                      "since start.", s.prefix_cache_hit_tokens_total if s else 0)
+        yield from _kv_tier_metrics(s, gauge, counter)
         yield gauge("turnout_engine_healthy", "1 when the engine is loaded and alive.", 1 if st.healthy else 0)
         yield from _replica_metrics(getattr(eng, "replicas", None), getattr(eng, "admitted", None))
         ops = g("turnout_op_implementation", "Implementation each op resolved to (value 1).",
@@ -58,6 +61,32 @@ class _EngineCollector:
         for row in st.ops_report:
             ops.add_metric([str(row.get("op")), str(row.get("chosen") or "none")], 1)
         yield ops
+
+
+# (name, help, EngineStats field) of the KV tiers (engine/kv_transfer.py, kv/tiers.py)
+_TIER_COUNTERS = (
+    ("turnout_swap_preemptions", "Preemptions by swapping the sequence's blocks to host memory.", "swap_preemptions_total"),
+    ("turnout_recompute_preemptions", "Preemptions by dropping the blocks (recomputed later).",
+     "recompute_preemptions_total"),
+    ("turnout_swap_pool_full", "Swaps refused for a full host pool (recomputed instead).", "swap_pool_full_total"),
+    ("turnout_swapped_out_blocks", "KV blocks copied to host memory by swap preemption.", "swapped_out_blocks_total"),
+    ("turnout_swapped_in_blocks", "KV blocks copied back from host memory.", "swapped_in_blocks_total"),
+    ("turnout_host_tier_hit_tokens", "Prompt tokens loaded from the host prefix tier instead of recomputed.",
+     "host_tier_hit_tokens_total"),
+    ("turnout_host_tier_offloaded_blocks", "Prefix blocks evicted from the device into the host tier.",
+     "host_tier_offloaded_blocks_total"),
+)
+_TIER_GAUGES = (
+    ("turnout_num_requests_swapped", "Sequences waiting in host memory to be swapped back in.", "num_swapped"),
+    ("turnout_host_tier_used_blocks", "Blocks the host prefix tier holds.", "host_tier_used_blocks"),
+)
+
+
+def _kv_tier_metrics(s, gauge, counter):
+    for name, doc, field in _TIER_COUNTERS:
+        yield counter(name, doc, getattr(s, field, 0) if s else 0)
+    for name, doc, field in _TIER_GAUGES:
+        yield gauge(name, doc, getattr(s, field, 0) if s else 0)
 
 
 def _replica_metrics(replicas, admitted):
