@@ -179,10 +179,14 @@ class KVTransfer:
 
     @torch.inference_mode()
     def _measure(self, config) -> None:
-        """Copy bandwidth (a few blocks out and back) and prefill rate (one short forward into blocks
-        nothing owns yet), each the best of two runs: cheap, and enough to compare the two costs."""
+        """Copy bandwidth (blocks out and back) and prefill rate (one forward into blocks nothing owns yet), each
+        the best of two runs: cheap, and enough to compare the two costs. On a GPU at the sizes a preemption
+        moves (64 blocks, a 512-token chunk): at 8 blocks and 32 tokens the H200 measured launch overhead, 5.9
+        GB/s and 759 tokens/s against ~50 GB/s and ~50k tokens/s (docs/benchmarks.md, eleventh session). On a
+        CPU the small sizes keep every engine's start-up short."""
         r = self.runner
-        n = max(1, min(8, self.num_host_blocks, r.num_blocks))
+        blocks, chunk = (64, 512) if r.platform.is_gpu else (8, 32)
+        n = max(1, min(blocks, self.num_host_blocks, r.num_blocks))
         pairs = [(i, i) for i in range(n)]
         best = float("inf")
         for _ in range(2):
@@ -194,7 +198,7 @@ class KVTransfer:
             self._sync()
             best = min(best, time.perf_counter() - t0)
         self.copy_bytes_per_s = 2 * n * r.block_bytes / best
-        tokens = max(1, min(32, config.max_num_batched_tokens, r.num_blocks * r.block_size, r.max_model_len))
+        tokens = max(1, min(chunk, config.max_num_batched_tokens, r.num_blocks * r.block_size, r.max_model_len))
         forward = self._probe_forward(tokens)
         best = float("inf")
         for _ in range(2):
