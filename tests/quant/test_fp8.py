@@ -24,20 +24,8 @@ from turnout.distributed.parallel_state import TPGroup
 from turnout.loader import load_model
 from turnout.loader.safetensors import iter_safetensors, safetensors_files
 from turnout.models.registry import get_model_class
-from turnout.ops import resolve
 from turnout.ops.reference.fp8 import FP8, dequantize_weight
-from turnout.platforms.detect import detect_platform
 from turnout.quant import quant_config
-
-
-@pytest.fixture(scope="module")
-def cpu_ops():
-    return resolve(detect_platform("cpu"))
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return torch.randint(0, 384, (20,), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(scope="module")
