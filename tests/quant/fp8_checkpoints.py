@@ -129,6 +129,21 @@ def forward_logits(model, config, ids: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(model(ids, torch.arange(n, device=dev), caches, meta))
 
 
+def greedy_walk(loaded, ref, prompt: torch.Tensor, steps: int = 6):
+    """Greedy decoding by our loaded model and by the HF reference, each from its own tokens: (our tokens, HF's
+    tokens, HF's top-2 margin and our max |logit error| at each step)."""
+    seq, hf_seq, margins, errors = prompt, prompt, [], []
+    for _ in range(steps):
+        ours = forward_logits(loaded.model, loaded.hf_config, seq)[-1]
+        with torch.no_grad():
+            want = ref(hf_seq[None]).logits[0, -1]
+        top = want.topk(2).values
+        margins.append((top[0] - top[1]).item())
+        errors.append((ours - want).abs().max().item())
+        seq, hf_seq = torch.cat([seq, ours.argmax()[None]]), torch.cat([hf_seq, want.argmax()[None]])
+    return seq, hf_seq, margins, errors
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 

@@ -17,8 +17,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from fp8_checkpoints import (FORMATS, WEIGHT_ONLY, fake_quant_activations, forward_logits, make_hf, rel_err,
-                             write_fp8_checkpoint)
+from fp8_checkpoints import (FORMATS, WEIGHT_ONLY, fake_quant_activations, forward_logits, greedy_walk, make_hf,
+                             rel_err, write_fp8_checkpoint)
 from turnout.config import EngineConfig
 from turnout.distributed.parallel_state import TPGroup
 from turnout.loader import load_model
@@ -73,15 +73,7 @@ def test_greedy_tokens_equal_hf(fmt, hf_models, ids, cpu_ops, tmp_path_factory):
     d, ref = _checkpoint(hf_models, "llama", fmt, ids, tmp_path_factory)
     fake_quant_activations(ref, fmt, d)
     loaded = load_model(str(d), ops=cpu_ops, device="cpu")
-    seq, hf_seq, margins, errors = ids[:8], ids[:8], [], []
-    for _ in range(6):
-        ours = forward_logits(loaded.model, loaded.hf_config, seq)[-1]
-        with torch.no_grad():
-            want = ref(hf_seq[None]).logits[0, -1]
-        top = want.topk(2).values
-        margins.append((top[0] - top[1]).item())
-        errors.append((ours - want).abs().max().item())
-        seq, hf_seq = torch.cat([seq, ours.argmax()[None]]), torch.cat([hf_seq, want.argmax()[None]])
+    seq, hf_seq, margins, errors = greedy_walk(loaded, ref, ids[:8])
     assert min(margins) > 10 * max(errors), (margins, errors)  # the margins are clear at this precision
     assert torch.equal(seq, hf_seq)
 

@@ -19,7 +19,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from fp8_checkpoints import FORMATS, _ct, forward_logits, rel_err
+from fp8_checkpoints import FORMATS, _ct, forward_logits, greedy_walk, rel_err
 from fp8_moe_checkpoints import (MOE_FP8, make_moe_hf, quantize_activations_like_fp8, tiny_moe_config,
                                  write_fp8_moe_checkpoint)
 from turnout.distributed.parallel_state import TPGroup
@@ -103,15 +103,7 @@ def test_greedy_tokens_equal_hf_where_margins_are_clear(checkpoint, ids, cpu_ops
     d, hf, state = checkpoint
     ref = _hf(hf.config, state)
     loaded = load_model(str(d), ops=cpu_ops, device="cpu")
-    seq, hf_seq, margins, errors = ids[:8], ids[:8], [], []
-    for _ in range(6):
-        ours = forward_logits(loaded.model, loaded.hf_config, seq)[-1]
-        with torch.no_grad():
-            want = ref(hf_seq[None]).logits[0, -1]
-        top = want.topk(2).values
-        margins.append((top[0] - top[1]).item())
-        errors.append((ours - want).abs().max().item())
-        seq, hf_seq = torch.cat([seq, ours.argmax()[None]]), torch.cat([hf_seq, want.argmax()[None]])
+    seq, hf_seq, margins, errors = greedy_walk(loaded, ref, ids[:8])
     assert min(margins) > 10 * max(errors), (margins, errors)
     assert torch.equal(seq, hf_seq)
 
