@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes: torch.profiler over N engine steps (dummy weights).
 
     python benchmarks/profile_decode.py [--model qwen3-8b] [--batch 1] [--steps 32] [--enforce-eager]
+        [--quantization fp8] [--kv-cache-dtype fp8]
 Prints the top CUDA kernels by total time and the share of the step each takes.
 """
 
@@ -24,11 +25,14 @@ def main():
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: input-len + all steps + 16")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8 (online quantisation of the dummy weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
     warm = 4 + (args.batch * args.input_len) // 2048  # prefill (chunked) + warm decode steps
     max_tokens = warm + 2 * args.steps + 8
     llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16",
-              max_model_len=args.max_model_len or args.input_len + max_tokens + 16, max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5)
+              max_model_len=args.max_model_len or args.input_len + max_tokens + 16, max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
     p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
