@@ -1,7 +1,8 @@
 """Tile sweep of the one-row fp8 decode kernel (``fp8_linear`` at M = 1) on a model's projections, each timed
 from one CUDA graph of many launches (no launch overhead), against the built-in tiles and bf16
 ``small_m_linear`` on the same shapes. Prints a table, one JSON line, and the ``TURNOUT_SMALL_M_TILES`` value
-that sets the fastest tiles (fp8_linear's one-row path honours it by "N,K").
+that sets the fastest tiles of the CUDA-core kernel (fp8_linear's one-row path honours it by "N,K"), and the
+matrix-unit kernel's tiles (``ROW_KERNEL = "dot"``, ``_ROW_DOT_TILES``) beside them.
 
     PYTHONPATH=$PWD python benchmarks/fp8_row_sweep.py [--model qwen3-8b] [--json out.json]
 """
@@ -20,6 +21,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
+def _builtin(tfp8, n: int) -> tuple:
+    return tuple(tfp8._row_tiles(n))
+
+
 def main() -> None:
     from small_m_linear import shapes_of, time_graph
 
@@ -30,11 +35,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kinds", default="fma,dot", help="which one-row kernels to sweep")
     args = ap.parse_args()
     path = args.model if os.path.exists(args.model) else os.path.join(HERE, "configs", args.model)
-    configs = [(bn, bk, w, st) for bn, bk, w, st in itertools.product((1, 2, 4, 8, 16, 32), (512, 1024, 2048, 4096),
-                                                                     (4, 8), (3,))
+    configs = [("fma", (bn, bk, w, st)) for bn, bk, w, st in itertools.product((1, 2, 4, 8, 16, 32),
+                                                                              (512, 1024, 2048, 4096), (4, 8), (3,))
                if 2048 <= bn * bk <= 16384]  # 2-16 KiB of fp8 a tile: 30 configs a shape
+    configs += [("dot", (bn, bk, w, st)) for bn, bk, w, st in itertools.product((16, 32, 64), (128, 256, 512),
+                                                                              (4, 8), (3, 5))
+                if bn * bk <= 16384 and (w == 4 or bn >= 32)]
+    configs = [c for c in configs if c[0] in args.kinds.split(",")]
     copies = 8  # distinct weights per graph, so L2 holds none of them between launches
     result, best_tiles = {}, {}
     for name, (n, k) in shapes_of(path).items():
@@ -44,17 +54,21 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         nbytes = n * k
 
-        def run(tiles=None):
+        def run(kind=None, tiles=None):
             def fn(w, s):
                 return tfp8.fp8_linear(x, w, s)
-            if tiles is None:
+            if kind is None:
                 return time_graph(fn, ws)
-            saved = tfp8.small_m_tiles
-            tfp8.small_m_tiles = lambda: {(n, k): tiles}
+            saved = tfp8.small_m_tiles, tfp8.ROW_KERNEL, tfp8._ROW_DOT_TILES
+            tfp8.ROW_KERNEL = kind
+            if kind == "dot":
+                tfp8._ROW_DOT_TILES = tiles
+            else:
+                tfp8.small_m_tiles = lambda: {(n, k): tiles}
             try:
                 return time_graph(fn, ws)
             finally:
-                tfp8.small_m_tiles = saved
+                tfp8.small_m_tiles, tfp8.ROW_KERNEL, tfp8._ROW_DOT_TILES = saved
 
         default = run()
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -62,20 +76,29 @@ def main() -> None:
         del wb
         times = {}
         for c in configs:
-            if c[1] > max(128, 1 << (k - 1).bit_length()):
+            if c[1][1] > max(128, 1 << (k - 1).bit_length()):
                 continue
             try:
-                times[c] = run(c)
+                times[c] = run(*c)
             except Exception as e:  # noqa: BLE001 - a tile the compiler rejects (registers, shared memory)
                 print(f"{name} {c}: {type(e).__name__}", flush=True)
         best = min(times, key=times.get)
-        best_tiles[f"{n},{k}"] = list(best)
+        best_fma = min((c for c in times if c[0] == "fma"), key=times.get, default=("fma", _builtin(tfp8, n)))
+        best_dot = min((c for c in times if c[0] == "dot"), key=times.get, default=("dot", tfp8._ROW_DOT_TILES))
+        times.setdefault(best_fma, default)
+        times.setdefault(best_dot, float("nan"))
+        best_tiles[f"{n},{k}"] = list(best_fma[1])
         result[name] = {"N": n, "K": k, "default_us": default * 1e6, "default_GB_s": nbytes / default / 1e9,
-                        "best": list(best), "best_us": times[best] * 1e6, "best_GB_s": nbytes / times[best] / 1e9,
+                        "best": [best[0], *best[1]], "best_us": times[best] * 1e6, "best_GB_s": nbytes / times[best] / 1e9,
+                        "best_fma": list(best_fma[1]), "best_fma_us": times[best_fma] * 1e6,
+                        "best_dot": list(best_dot[1]), "best_dot_us": times[best_dot] * 1e6,
+                        "dot_us": {",".join(map(str, c[1])): round(t * 1e6, 2) for c, t in times.items()
+                                   if c[0] == "dot"},
                         "bf16_us": bf16 * 1e6, "bf16_GB_s": 2 * nbytes / bf16 / 1e9}
         r = result[name]
         print(f"{name:10} N={n:6} K={k:6}: built-in {r['default_us']:7.1f} us ({r['default_GB_s']:6.0f} GB/s), best "
-              f"{best} {r['best_us']:7.1f} us ({r['best_GB_s']:6.0f} GB/s); bf16 small_m {r['bf16_us']:7.1f} us "
+              f"{best} {r['best_us']:7.1f} us ({r['best_GB_s']:6.0f} GB/s) [fma {r['best_fma_us']:.1f}, dot "
+              f"{r['best_dot_us']:.1f} {best_dot[1]}]; bf16 small_m {r['bf16_us']:7.1f} us "
               f"({r['bf16_GB_s']:6.0f} GB/s)", flush=True)
         del ws
     result["TURNOUT_SMALL_M_TILES"] = json.dumps(best_tiles)

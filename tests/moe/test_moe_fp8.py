@@ -58,12 +58,15 @@ def test_grouped_every_tile_config(config):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_one_token_down_over_several_k_tiles(dtype):
-    """One token, the slots summed in registers: I over three 128-wide K tiles, H off the grid, one slot remote."""
+@pytest.mark.parametrize("inter,cfg", [(384, Fp8DecodeConfig(block_k_one=128, block_k_one_up=128)),
+                                       (144, Fp8DecodeConfig(block_n_one_up=16, block_n_one=2)),
+                                       (384, Fp8DecodeConfig())])
+def test_one_token_kernels_over_several_k_tiles(dtype, inter, cfg):
+    """One token on the CUDA cores: gate/up streaming H (200, off the grid) in one or two K tiles, the activations
+    quantised per group in the down kernel, I over one or three K tiles or off the grid, a slot of another rank."""
     gen = torch.Generator().manual_seed(3)
-    x, w13, w13s, w2, w2s, weights, ids = _problem(gen, 1, 200, 384, 8, 4, dtype, invalid=False)
+    x, w13, w13s, w2, w2s, weights, ids = _problem(gen, 1, 200, inter, 8, 4, dtype, invalid=False)
     ids[0, 2] = -1
-    cfg = Fp8DecodeConfig(block_k_one=128)
     _check(lambda *a: moe_experts_fp8_decode(*a, config=cfg), (x, w13, w13s, w2, w2s, weights, ids), dtype)
 
 

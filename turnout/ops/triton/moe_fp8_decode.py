@@ -12,10 +12,16 @@ the K loop stepping by 128, one scale group:
    activations and their scale [T*k, ceil(I/128)] itself.
 2. ``_fp8_down_kernel``: fp8 activations x fp8 down weights per 128 K tile, times both scales, times the routing
    weight, into per-pair float32 rows; then moe_decode's slot sum.
-3. one token (batch-1 decode): ``_fp8_one_token_down_kernel`` instead of 2, on the CUDA cores as
-   moe_one_token.py: a program owns BN columns of H (inside one 128-row block of down) and streams them for
-   every slot, the activation scale, the block scale and the slot weight folded into the activation vector, so
-   the slots are summed in registers.
+3. one token (batch-1 decode), both steps on the CUDA cores, one program per few weight rows so that every
+   multiprocessor streams weights (the dot kernel 1 has only k x ceil(I/128) programs there: 48 on Qwen3-30B-A3B,
+   70.7 us a layer against bf16's 15.3, docs/benchmarks.md twelfth session):
+   ``_fp8_one_token_gate_up_kernel``: a program owns one slot and BN columns of I (gate and up rows, inside one
+   128-row block each), streams the whole H: the token's row quantised per 128-group in registers (every program
+   computes the same values), the block scales folded into it, and writes silu(gate) * up in float32 (a program's
+   BN columns are not a whole activation group, so the quantisation of the activations moves to step 2);
+   ``_fp8_one_token_down_kernel``: a program owns BN columns of H (inside one 128-row block of down) and streams
+   them for every slot, each slot's activations quantised per group in registers, the block scale and the slot
+   weight folded into the activation vector, so the slots are summed in registers.
 
 Each 128-wide tile's product is added into float32 separately (the promotion interval of ops/triton/fp8.py: on sm90
 an fp8 dot accumulates in reduced precision). Under TRITON_INTERPRET=1 the quantised values are rounded to the
@@ -51,10 +57,14 @@ class Fp8DecodeConfig:
     num_warps: int = 4
     num_stages: int = 4
     num_stages_many: int = 3
-    block_n_one: int = 8  # one token: columns of H per program (divides 128), the whole I in one K tile
+    block_n_one: int = 8  # one token, down: columns of H per program (divides 128), the whole I in one K tile
     block_k_one: int = 1024
     num_warps_one: int = 8
     num_stages_one: int = 4
+    block_n_one_up: int = 4  # one token, gate/up: columns of I per program (divides 128), and its K tile over H
+    block_k_one_up: int = 1024
+    num_warps_one_up: int = 4
+    num_stages_one_up: int = 3
 
 
 DEFAULT = Fp8DecodeConfig()
@@ -146,12 +156,59 @@ def _fp8_down_kernel(aq_ptr, as_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids_pt
 
 
 @triton.jit
-def _fp8_one_token_down_kernel(aq_ptr, as_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids_ptr,
+def _dequantized_groups(x, BLOCK_K: tl.constexpr, MIN_S: tl.constexpr, ROUND_E4M3: tl.constexpr, FP8_T: tl.constexpr):
+    """x [BLOCK_K] float32 (BLOCK_K a multiple of 128, zeros past the end) -> the value of its per-128-group fp8
+    quantisation, q * s (``quantize_fp8(., 128)`` then ``dequantize_act``), [BLOCK_K] float32."""
+    q, s = quantize_tile(tl.reshape(x, (BLOCK_K // 128, 128)), MIN_S, ROUND_E4M3)
+    return tl.reshape(q.to(FP8_T).to(tl.float32) * s[:, None], (BLOCK_K,))
+
+
+@triton.jit
+def _fp8_one_token_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, num_experts, H, I, NB_I,
+                                  stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MIN_S: tl.constexpr,
+                                  ROUND_E4M3: tl.constexpr, PDL: tl.constexpr):
+    """act[j, cols] = silu(g) * u, [g; u] = deq(w13[ids[j], gate/up rows of cols]) @ q(x[0]), float32, for one
+    token; slots with an id outside [0, E) write nothing (the down kernel does not read them)."""
+    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
+    j = tl.program_id(0)
+    e = tl.load(ids_ptr + j).to(tl.int64)
+    if (e < 0) | (e >= num_experts):
+        return
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    cols = tl.where(col_ok, cols, 0)
+    w_gate = w_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+    w_up = w_gate + I * stride_wn
+    s_gate = ws_ptr + e * stride_wse + ((pid_n * BLOCK_N) // 128) * stride_wsn  # this program's block rows
+    s_up = s_gate + NB_I * stride_wsn
+    ks = tl.arange(0, BLOCK_K)
+    part_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    part_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < H
+        x = _dequantized_groups(tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32), BLOCK_K, MIN_S,
+                                ROUND_E4M3, w_ptr.dtype.element_ty)
+        wg = tl.load(w_gate + k[None, :], mask=k_ok[None, :], other=0.0)
+        wu = tl.load(w_up + k[None, :], mask=k_ok[None, :], other=0.0)
+        part_g += wg.to(tl.float32) * (x * tl.load(s_gate + k // 128, mask=k_ok, other=0.0))[None, :]
+        part_u += wu.to(tl.float32) * (x * tl.load(s_up + k // 128, mask=k_ok, other=0.0))[None, :]
+    g = tl.sum(part_g, axis=1)
+    u = tl.sum(part_u, axis=1)
+    tl.store(act_ptr + j * stride_act + cols, g * tl.sigmoid(g) * u, mask=col_ok)
+
+
+@triton.jit
+def _fp8_one_token_down_kernel(act_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids_ptr,
                                top_k, num_experts, H, I,
-                               stride_aq, stride_as, stride_we, stride_wn, stride_wse, stride_wsn,
-                               KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out[0, cols] = sum_j weight[j] * deq(act[j]) @ deq(w2[ids[j], cols]).T for one token, in registers.
-    BLOCK_N divides 128, so along K the block scale of this program's rows is one value per 128 columns."""
+                               stride_act, stride_we, stride_wn, stride_wse, stride_wsn,
+                               KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MIN_S: tl.constexpr,
+                               ROUND_E4M3: tl.constexpr, PDL: tl.constexpr):
+    """out[0, cols] = sum_j weight[j] * q(act[j]) @ deq(w2[ids[j], cols]).T for one token, in registers (act
+    float32 from the one-token gate/up, quantised per 128-group here). BLOCK_N divides 128, so along K the block
+    scale of this program's rows is one value per 128 columns; BLOCK_K is a multiple of 128."""
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -175,8 +232,8 @@ def _fp8_one_token_down_kernel(aq_ptr, as_ptr, w_ptr, ws_ptr, weights_ptr, out_p
         s = tl.sum(tl.where(pick, scale, 0.0), axis=0)
         w = tl.load(w_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn + k[None, :],
                     mask=(k < I)[None, :], other=0.0)
-        a = tl.load(aq_ptr + j * stride_aq + k, mask=ok, other=0.0).to(tl.float32)
-        a = a * tl.load(as_ptr + j * stride_as + k // 128, mask=ok, other=0.0)
+        a = _dequantized_groups(tl.load(act_ptr + j * stride_act + k, mask=ok, other=0.0), BLOCK_K, MIN_S,
+                                ROUND_E4M3, w_ptr.dtype.element_ty)
         a = a * tl.load(ws_ptr + e * stride_wse + block_row + k // 128, mask=ok, other=0.0)
         part += w.to(tl.float32) * (a * s)[None, :]
     tl.store(out_ptr + cols, tl.sum(part, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -207,7 +264,7 @@ def gate_up(hidden, w13, w13_scale, ids, num_pairs: int, by_slot: bool, cfg: Fp8
 def moe_experts_fp8_decode(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, one_token: bool = True,
                            config: Fp8DecodeConfig | None = None) -> torch.Tensor:
     """moe_experts_fp8 (turnout/ops/reference/moe_fp8.py) for few pairs; correct for any T, fast for small.
-    ``one_token``: at T = 1 the down kernel that sums the slots in registers (else per-slot rows, then the sum)."""
+    ``one_token``: at T = 1 the one-token kernels of step 3 (else the dot kernels, per-slot rows, then the sum)."""
     cfg = config or DEFAULT
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
@@ -218,18 +275,26 @@ def moe_experts_fp8_decode(hidden, w13, w13_scale, w2, w2_scale, topk_weights, t
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()
     by_slot = num_pairs < num_experts
-    aq, a_s = gate_up(hidden, w13, w13_scale, ids, num_pairs, by_slot, cfg)
     out = torch.empty_like(hidden)
     kp = _pow2(top_k)
     if num_tokens == 1 and one_token:
+        act = torch.empty(top_k, inter, dtype=torch.float32, device=hidden.device)
+        bn = max(1, min(cfg.block_n_one_up, 128, _pow2(inter)))
+        bk = max(128, min(cfg.block_k_one_up, _pow2(hidden_size)))
+        _fp8_one_token_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
+            hidden, w13, w13_scale, act, ids, num_experts, hidden_size, inter, triton.cdiv(inter, BLOCK),
+            w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
+            BLOCK_N=bn, BLOCK_K=bk, MIN_S=MIN_SCALE, ROUND_E4M3=ROUND, num_warps=cfg.num_warps_one_up,
+            num_stages=1 if ROUND else cfg.num_stages_one_up, **pdl_args(hidden, "moe_gate_up"))
         bn = max(1, min(cfg.block_n_one, 128, _pow2(hidden_size)))
         bk = max(128, min(cfg.block_k_one, _pow2(inter)))
         _fp8_one_token_down_kernel[(triton.cdiv(hidden_size, bn),)](
-            aq, a_s, w2, w2_scale, weights, out, ids, top_k, num_experts, hidden_size, inter,
-            aq.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            KP=kp, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps_one,
+            act, w2, w2_scale, weights, out, ids, top_k, num_experts, hidden_size, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+            KP=kp, BLOCK_N=bn, BLOCK_K=bk, MIN_S=MIN_SCALE, ROUND_E4M3=ROUND, num_warps=cfg.num_warps_one,
             num_stages=1 if ROUND else cfg.num_stages_one, **pdl_args(hidden, "moe_down"))
         return out
+    aq, a_s = gate_up(hidden, w13, w13_scale, ids, num_pairs, by_slot, cfg)
     bn2 = _fit(cfg.block_n2 if by_slot else cfg.block_n2_many, hidden_size)
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     _fp8_down_kernel[(num_pairs if by_slot else num_experts, triton.cdiv(hidden_size, bn2))](

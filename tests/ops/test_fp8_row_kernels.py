@@ -1,0 +1,71 @@
+"""The two one-row kernels of the Triton ``fp8_linear`` (turnout/ops/triton/fp8.py), each forced, against the op's
+reference through the conformance comparison: the CUDA-core kernel and the matrix-unit kernel (16-bit x, x scaled
+by a power of two into float16's range), per-row and block scales, N and K off every tile, a bias, rows whose
+largest element is far beyond float16's range or far below its normal range. The op's tolerance (atol, rtol) with
+atol scaled by the magnitude of x, so that 1e6 and 1e-6 are held to what 1 is. The conformance suite runs only the
+shape table's default per shape."""
+
+import pytest
+import torch
+
+from turnout.ops.reference._util import randn
+from turnout.ops.reference.fp8 import _MM_TOL, fp8_linear, quantize_weight
+from turnout.platforms.detect import detect_platform
+
+PLATFORM = detect_platform("auto")
+DEVICE = PLATFORM.device()
+
+if not PLATFORM.triton_usable()[0]:
+    pytest.skip("Triton does not run here", allow_module_level=True)
+
+from turnout.ops.triton import fp8 as tfp8  # noqa: E402
+
+# (N, K, bias, x magnitude): N off 16/32/64, K off 128/256, magnitudes beyond float16 (65504) and below its normals
+SHAPES = [(48, 200, False, 1.0), (130, 300, True, 3.0), (256, 384, False, 1e6), (16, 128, True, 1e-6),
+          (200, 1000, False, 40.0)]
+
+
+def _cases(dtype):
+    gen = torch.Generator().manual_seed(7)
+    dtype = getattr(torch, dtype)
+    for n, k, bias, mag in SHAPES:
+        mag = min(mag, 1e3) if dtype == torch.float16 else mag  # float16 x itself ends at 65504
+        for layout in ("row", "block"):
+            w, s = quantize_weight(randn((n, k), torch.float32, "cpu", gen, k ** -0.5), layout)
+            x = randn((1, k), dtype, DEVICE, gen, mag)
+            b = randn((n,), dtype, DEVICE, gen) if bias else None
+            yield f"N{n}K{k}_{layout}_x{mag:g}", mag, (x, w.to(DEVICE), s.to(DEVICE), b)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("kind,tiles", [("fma", None), ("fma", (2, 128, 4, 3)), ("dot", (16, 128, 4, 3)),
+                                        ("dot", (32, 256, 4, 3)), ("dot", (64, 512, 8, 3))])
+def test_one_row_kernel(monkeypatch, dtype, kind, tiles):
+    monkeypatch.setattr(tfp8, "ROW_KERNEL", kind)
+    if kind == "dot":
+        monkeypatch.setattr(tfp8, "_ROW_DOT_TILES", tiles)
+    elif tiles is not None:
+        monkeypatch.setattr(tfp8, "small_m_tiles", lambda: {(n, k): tiles for n, k, _, _ in SHAPES})
+    launched = []
+    for name in ("_row_kernel", "_row_dot_kernel"):
+        kernel = getattr(tfp8, name)
+        monkeypatch.setattr(tfp8, name, _Spy(kernel, name, launched))
+    atol, rtol = _MM_TOL[dtype]
+    for name, mag, args in _cases(dtype):
+        want = fp8_linear(*(a.cpu() if a is not None else a for a in args)).float()
+        got = tfp8.fp8_linear(*args).float().cpu()
+        err = (got - want).abs()
+        assert torch.isfinite(got).all(), name
+        assert (err <= atol * mag + rtol * want.abs()).all(), f"{name}: max error {err.max():.3g}"
+    # float32 x keeps the CUDA-core kernel (float16 would round it)
+    want = "_row_dot_kernel" if kind == "dot" and dtype != "float32" else "_row_kernel"
+    assert set(launched) == {want}
+
+
+class _Spy:
+    def __init__(self, kernel, name, launched):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
