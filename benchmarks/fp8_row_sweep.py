@@ -2,7 +2,7 @@
 from one CUDA graph of many launches (no launch overhead), against the built-in tiles and bf16
 ``small_m_linear`` on the same shapes. Prints a table, one JSON line, and the ``TURNOUT_SMALL_M_TILES`` value
 that sets the fastest tiles of the CUDA-core kernel (fp8_linear's one-row path honours it by "N,K"), and the
-matrix-unit kernel's tiles (``ROW_KERNEL = "dot"``, ``_ROW_DOT_TILES``) beside them.
+same kernel's float16 arithmetic (``ROW_KERNEL = "fma16"``) on the same tiles beside them.
 
     PYTHONPATH=$PWD python benchmarks/fp8_row_sweep.py [--model qwen3-8b] [--json out.json]
 """
@@ -35,15 +35,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--kinds", default="fma,dot", help="which one-row kernels to sweep")
+    ap.add_argument("--kinds", default="fma,fma16", help="which arithmetics of the one-row kernel to sweep (fma, fma16)")
     args = ap.parse_args()
     path = args.model if os.path.exists(args.model) else os.path.join(HERE, "configs", args.model)
     configs = [("fma", (bn, bk, w, st)) for bn, bk, w, st in itertools.product((1, 2, 4, 8, 16, 32),
                                                                               (512, 1024, 2048, 4096), (4, 8), (3,))
                if 2048 <= bn * bk <= 16384]  # 2-16 KiB of fp8 a tile: 30 configs a shape
-    configs += [("dot", (bn, bk, w, st)) for bn, bk, w, st in itertools.product((16, 32, 64), (128, 256, 512),
-                                                                              (4, 8), (3, 5))
-                if bn * bk <= 16384 and (w == 4 or bn >= 32)]
+    configs += [("fma16", tiles) for _, tiles in configs]
     configs = [c for c in configs if c[0] in args.kinds.split(",")]
     copies = 8  # distinct weights per graph, so L2 holds none of them between launches
     result, best_tiles = {}, {}
@@ -59,16 +57,13 @@ def main() -> None:
                 return tfp8.fp8_linear(x, w, s)
             if kind is None:
                 return time_graph(fn, ws)
-            saved = tfp8.small_m_tiles, tfp8.ROW_KERNEL, tfp8._ROW_DOT_TILES
+            saved = tfp8.small_m_tiles, tfp8.ROW_KERNEL
             tfp8.ROW_KERNEL = kind
-            if kind == "dot":
-                tfp8._ROW_DOT_TILES = tiles
-            else:
-                tfp8.small_m_tiles = lambda: {(n, k): tiles}
+            tfp8.small_m_tiles = lambda: {(n, k): tiles}
             try:
                 return time_graph(fn, ws)
             finally:
-                tfp8.small_m_tiles, tfp8.ROW_KERNEL, tfp8._ROW_DOT_TILES = saved
+                tfp8.small_m_tiles, tfp8.ROW_KERNEL = saved
 
         default = run()
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -84,21 +79,21 @@ def main() -> None:
                 print(f"{name} {c}: {type(e).__name__}", flush=True)
         best = min(times, key=times.get)
         best_fma = min((c for c in times if c[0] == "fma"), key=times.get, default=("fma", _builtin(tfp8, n)))
-        best_dot = min((c for c in times if c[0] == "dot"), key=times.get, default=("dot", tfp8._ROW_DOT_TILES))
+        best_16 = min((c for c in times if c[0] == "fma16"), key=times.get, default=("fma16", _builtin(tfp8, n)))
         times.setdefault(best_fma, default)
-        times.setdefault(best_dot, float("nan"))
+        times.setdefault(best_16, float("nan"))
         best_tiles[f"{n},{k}"] = list(best_fma[1])
         result[name] = {"N": n, "K": k, "default_us": default * 1e6, "default_GB_s": nbytes / default / 1e9,
                         "best": [best[0], *best[1]], "best_us": times[best] * 1e6, "best_GB_s": nbytes / times[best] / 1e9,
                         "best_fma": list(best_fma[1]), "best_fma_us": times[best_fma] * 1e6,
-                        "best_dot": list(best_dot[1]), "best_dot_us": times[best_dot] * 1e6,
-                        "dot_us": {",".join(map(str, c[1])): round(t * 1e6, 2) for c, t in times.items()
-                                   if c[0] == "dot"},
+                        "best_16": list(best_16[1]), "best_16_us": times[best_16] * 1e6,
+                        "fma16_us": {",".join(map(str, c[1])): round(t * 1e6, 2) for c, t in times.items()
+                                   if c[0] == "fma16"},
                         "bf16_us": bf16 * 1e6, "bf16_GB_s": 2 * nbytes / bf16 / 1e9}
         r = result[name]
         print(f"{name:10} N={n:6} K={k:6}: built-in {r['default_us']:7.1f} us ({r['default_GB_s']:6.0f} GB/s), best "
-              f"{best} {r['best_us']:7.1f} us ({r['best_GB_s']:6.0f} GB/s) [fma {r['best_fma_us']:.1f}, dot "
-              f"{r['best_dot_us']:.1f} {best_dot[1]}]; bf16 small_m {r['bf16_us']:7.1f} us "
+              f"{best} {r['best_us']:7.1f} us ({r['best_GB_s']:6.0f} GB/s) [fma {r['best_fma_us']:.1f}, fma16 "
+              f"{r['best_16_us']:.1f} {best_16[1]}]; bf16 small_m {r['bf16_us']:7.1f} us "
               f"({r['bf16_GB_s']:6.0f} GB/s)", flush=True)
         del ws
     result["TURNOUT_SMALL_M_TILES"] = json.dumps(best_tiles)

@@ -1,7 +1,7 @@
-"""The two one-row kernels of the Triton ``fp8_linear`` (turnout/ops/triton/fp8.py), each forced, against the op's
-reference through the conformance comparison: the CUDA-core kernel and the matrix-unit kernel (16-bit x, x scaled
-by a power of two into float16's range), per-row and block scales, N and K off every tile, a bias, rows whose
-largest element is far beyond float16's range or far below its normal range. The op's tolerance (atol, rtol) with
+"""The one-row kernel of the Triton ``fp8_linear`` (turnout/ops/triton/fp8.py) in both arithmetics, each forced,
+against the op's reference: float32 products and sums, and float16 ones (16-bit x only: x scaled by a power of two so
+that no float16 lane overflows), per-row and block scales, N and K off every tile, one K tile and many, a bias, rows
+whose largest element is far beyond float16's range or far below its normal range. The op's tolerance (atol, rtol) with
 atol scaled by the magnitude of x, so that 1e6 and 1e-6 are held to what 1 is. The conformance suite runs only the
 shape table's default per shape."""
 
@@ -22,7 +22,7 @@ from turnout.ops.triton import fp8 as tfp8  # noqa: E402
 
 # (N, K, bias, x magnitude): N off 16/32/64, K off 128/256, magnitudes beyond float16 (65504) and below its normals
 SHAPES = [(48, 200, False, 1.0), (130, 300, True, 3.0), (256, 384, False, 1e6), (16, 128, True, 1e-6),
-          (200, 1000, False, 40.0)]
+          (200, 1000, False, 40.0), (16, 4096, False, 1.0)]
 
 
 def _cases(dtype):
@@ -35,21 +35,20 @@ def _cases(dtype):
             x = randn((1, k), dtype, DEVICE, gen, mag)
             b = randn((n,), dtype, DEVICE, gen) if bias else None
             yield f"N{n}K{k}_{layout}_x{mag:g}", mag, (x, w.to(DEVICE), s.to(DEVICE), b)
+    # every product at its largest and of one sign: the float16 lanes' worst case
+    w, s = quantize_weight(torch.ones(32, 4096), "row")
+    yield "saturated", 1.0, (torch.ones(1, 4096, dtype=dtype, device=DEVICE), w.to(DEVICE), s.to(DEVICE), None)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("kind,tiles", [("fma", None), ("fma", (2, 128, 4, 3)), ("dot", (16, 128, 4, 3)),
-                                        ("dot", (32, 256, 4, 3)), ("dot", (64, 512, 8, 3))])
+@pytest.mark.parametrize("kind,tiles", [("fma", None), ("fma", (2, 128, 4, 3)), ("fma16", None),
+                                        ("fma16", (2, 128, 4, 3)), ("fma16", (16, 512, 8, 3))])
 def test_one_row_kernel(monkeypatch, dtype, kind, tiles):
     monkeypatch.setattr(tfp8, "ROW_KERNEL", kind)
-    if kind == "dot":
-        monkeypatch.setattr(tfp8, "_ROW_DOT_TILES", tiles)
-    elif tiles is not None:
+    if tiles is not None:
         monkeypatch.setattr(tfp8, "small_m_tiles", lambda: {(n, k): tiles for n, k, _, _ in SHAPES})
-    launched = []
-    for name in ("_row_kernel", "_row_dot_kernel"):
-        kernel = getattr(tfp8, name)
-        monkeypatch.setattr(tfp8, name, _Spy(kernel, name, launched))
+    halves = []
+    monkeypatch.setattr(tfp8, "_row_kernel", _Spy(tfp8._row_kernel, halves))
     atol, rtol = _MM_TOL[dtype]
     for name, mag, args in _cases(dtype):
         want = fp8_linear(*(a.cpu() if a is not None else a for a in args)).float()
@@ -57,15 +56,16 @@ def test_one_row_kernel(monkeypatch, dtype, kind, tiles):
         err = (got - want).abs()
         assert torch.isfinite(got).all(), name
         assert (err <= atol * mag + rtol * want.abs()).all(), f"{name}: max error {err.max():.3g}"
-    # float32 x keeps the CUDA-core kernel (float16 would round it)
-    want = "_row_dot_kernel" if kind == "dot" and dtype != "float32" else "_row_kernel"
-    assert set(launched) == {want}
+    # float32 x keeps float32 arithmetic (float16 would round it)
+    assert set(halves) == {kind == "fma16" and dtype != "float32"}
 
 
 class _Spy:
-    def __init__(self, kernel, name, launched):
-        self.kernel, self.name, self.launched = kernel, name, launched
+    def __init__(self, kernel, halves):
+        self.kernel, self.halves = kernel, halves
 
     def __getitem__(self, grid):
-        self.launched.append(self.name)
-        return self.kernel[grid]
+        def launch(*args, **kwargs):
+            self.halves.append(kwargs["HALF"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch

@@ -25,6 +25,8 @@ cast by torch; and its bfloat16 ``tl.dot`` is wrong, so bf16 tiles are upcast (f
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -200,8 +202,9 @@ def block_scaled_mm(xq, x_scale, weight, weight_scale, bias=None, out_dtype=torc
 
 
 @triton.jit
-def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn, W_BLOCK: tl.constexpr,
-                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, X_EXP, stride_wn, stride_wsn, W_BLOCK: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                HALF: tl.constexpr):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -209,19 +212,43 @@ def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn,
     w_rows = w_ptr + cols_c[:, None] * stride_wn
     block_row = ws_ptr + ((pid * BLOCK_N) // 128) * stride_wsn  # every row of this program is in this block
     ks = tl.arange(0, BLOCK_K)
-    part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :])
-            x = tl.load(x_ptr + k).to(tl.float32)
-        else:
+    if HALF:
+        # float16 products and per-lane sums: the weight's conversion is one instruction per two elements (e4m3x2 to
+        # f16x2) and the multiply-add a half-precision one, against one and a half conversions and a float32 FMA per
+        # weight. x (block scales folded in) is scaled by the power of two that puts its largest element at
+        # 2^X_EXP: 448 * 2^X_EXP * (K tiles) stays inside float16 (the host picks X_EXP), so no lane overflows.
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # x is K elements, read from L2 by every program: cheap beside the weights
+            k = k0 + ks
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            if W_BLOCK:
+                x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x))
+        e = tl.ceil(tl.log2(tl.maximum(tl.max(amax, axis=0), 1e-30)))
+        inv = tl.exp2(X_EXP - e)  # powers of two: exact
+        part16 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
             w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
             x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        if W_BLOCK:
-            x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
-        part += w.to(tl.float32) * x[None, :]
-    acc = tl.sum(part, axis=1)
+            if W_BLOCK:
+                x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
+            part16 += w.to(tl.float16) * (x * inv).to(tl.float16)[None, :]
+        acc = tl.sum(part16.to(tl.float32), axis=1) * tl.exp2(e - X_EXP)
+    else:
+        part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            if EVEN_K:
+                w = tl.load(w_rows + k[None, :])
+                x = tl.load(x_ptr + k).to(tl.float32)
+            else:
+                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            if W_BLOCK:
+                x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
+            part += w.to(tl.float32) * x[None, :]
+        acc = tl.sum(part, axis=1)
     if not W_BLOCK:
         acc = acc * tl.load(ws_ptr + cols_c * stride_wsn)
     if HAS_BIAS:
@@ -229,51 +256,9 @@ def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn,
     tl.store(y_ptr + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
-def _row_dot_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn, W_BLOCK: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The one row on the matrix units: x (block scales folded in, times a power of two that puts its largest
-    element in [2^13, 2^14), so float16 neither overflows nor loses precision) as row 0 of a 16-row float16 tile,
-    the fp8 weight tile converted to float16 (exact), float32 sums. The conversion is one instruction per two
-    weights, where the CUDA-core kernel above spends one and a half conversions and an FMA per weight."""
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    cols_c = tl.where(col_ok, cols, 0).to(tl.int64)
-    w_rows = w_ptr + cols_c[:, None] * stride_wn
-    block_row = ws_ptr + ((pid * BLOCK_N) // 128) * stride_wsn  # every row of this program is in this block
-    ks = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # x is K elements, read from L2 by every program: cheap beside the weights
-        k = k0 + ks
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        if W_BLOCK:
-            x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x))
-    e = tl.ceil(tl.log2(tl.maximum(tl.max(amax, axis=0), 1e-30)))
-    inv = tl.exp2(14.0 - e)  # powers of two: exact
-    rows = tl.arange(0, 16)
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        if W_BLOCK:
-            x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
-        a = tl.where(rows[:, None] == 0, (x * inv)[None, :], 0.0).to(tl.float16)  # [16, BK]
-        w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)  # [BN, BK] fp8
-        acc += tl.dot(a, tl.trans(w.to(tl.float16)))
-    y = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0) * tl.exp2(e - 14.0)  # [BN]
-    if not W_BLOCK:
-        y = y * tl.load(ws_ptr + cols_c * stride_wsn)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols_c).to(tl.float32)
-    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
-
-
-# The one-row kernel per shape: "dot" (matrix units, 16-bit x only) or "fma" (CUDA cores). Measured choices go
-# here; unlisted shapes take ROW_KERNEL.
+# The one-row kernel's arithmetic for 16-bit x: "fma" (float32 products and sums) or "fma16" (float16 products and
+# sums per lane, HALF above). Measured choices go here.
 ROW_KERNEL = "fma"
-_ROW_DOT_TILES = (32, 256, 4, 3)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the dot kernel
 
 
 def _row_tiles(n: int) -> tuple[int, int, int, int]:
@@ -298,20 +283,14 @@ def fp8_linear(x, weight, weight_scale, bias=None):
     x = x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    if ROW_KERNEL == "dot" and x.dtype in (torch.bfloat16, torch.float16):
-        bn, bk, warps, stages = _ROW_DOT_TILES
-        bn = max(16, min(bn, 128))
-        bk = max(128, min(bk, triton.next_power_of_2(k)))
-        _row_dot_kernel[(triton.cdiv(n, bn),)](x, weight, weight_scale, bias if bias is not None else y, y, n, k,
-                                               weight.stride(0), weight_scale.stride(0), W_BLOCK=w_block,
-                                               HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                               num_stages=1 if _INTERPRET else stages)
-        return y
     bn, bk, warps, stages = small_m_tiles().get((n, k)) or _row_tiles(n)  # TURNOUT_SMALL_M_TILES by "N,K"
     bk = max(128, min(bk, triton.next_power_of_2(k)))
     bn = 1 << (bn.bit_length() - 1)  # a power of two, so a program's rows never straddle a 128-row block
-    _row_kernel[(triton.cdiv(n, bn),)](x, weight, weight_scale, bias if bias is not None else y, y, n, k,
+    half = ROW_KERNEL == "fma16" and x.dtype in (torch.bfloat16, torch.float16)
+    # float16 lanes sum cdiv(K, bk) products of at most 448 * 2^X_EXP: keep that under 65504 / 2
+    x_exp = math.floor(math.log2(32752 / (448 * triton.cdiv(k, bk))))
+    _row_kernel[(triton.cdiv(n, bn),)](x, weight, weight_scale, bias if bias is not None else y, y, n, k, float(x_exp),
                                        weight.stride(0), weight_scale.stride(0), W_BLOCK=w_block,
                                        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                       num_warps=warps, num_stages=1 if _INTERPRET else stages)
+                                       HALF=half, num_warps=warps, num_stages=1 if _INTERPRET else stages)
     return y
