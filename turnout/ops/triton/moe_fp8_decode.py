@@ -14,14 +14,15 @@ the K loop stepping by 128, one scale group:
    weight, into per-pair float32 rows; then moe_decode's slot sum.
 3. one token (batch-1 decode), both steps on the CUDA cores, one program per few weight rows so that every
    multiprocessor streams weights (the dot kernel 1 has only k x ceil(I/128) programs there: 48 on Qwen3-30B-A3B,
-   70.7 us a layer against bf16's 15.3, docs/benchmarks.md twelfth session):
+   70.7 us a layer against bf16's 15.3, docs/benchmarks.md twelfth session). The activations are quantised once,
+   by ``_qdq_rows_kernel`` (one program per row: the quantised values times their scales, float32), before
+   each step, not by every program (in registers that cost a third of the weights' time at these tiles):
    ``_fp8_one_token_gate_up_kernel``: a program owns one slot and BN columns of I (gate and up rows, inside one
-   128-row block each), streams the whole H: the token's row quantised per 128-group in registers (every program
-   computes the same values), the block scales folded into it, and writes silu(gate) * up in float32 (a program's
-   BN columns are not a whole activation group, so the quantisation of the activations moves to step 2);
+   128-row block each) and streams the whole H, the block scales folded into the token's row, and writes
+   silu(gate) * up in float32;
    ``_fp8_one_token_down_kernel``: a program owns BN columns of H (inside one 128-row block of down) and streams
-   them for every slot, each slot's activations quantised per group in registers, the block scale and the slot
-   weight folded into the activation vector, so the slots are summed in registers.
+   them for every slot, the block scale and the slot weight folded into the activation vector, so the slots are
+   summed in registers.
 
 Each 128-wide tile's product is added into float32 separately (the promotion interval of ops/triton/fp8.py: on sm90
 an fp8 dot accumulates in reduced precision). Under TRITON_INTERPRET=1 the quantised values are rounded to the
@@ -156,20 +157,38 @@ def _fp8_down_kernel(aq_ptr, as_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids_pt
 
 
 @triton.jit
-def _dequantized_groups(x, BLOCK_K: tl.constexpr, MIN_S: tl.constexpr, ROUND_E4M3: tl.constexpr, FP8_T: tl.constexpr):
+def _dequantized_groups(x, BLOCK_K: tl.constexpr, MIN_S: tl.constexpr, ROUND_E4M3: tl.constexpr):
     """x [BLOCK_K] float32 (BLOCK_K a multiple of 128, zeros past the end) -> the value of its per-128-group fp8
     quantisation, q * s (``quantize_fp8(., 128)`` then ``dequantize_act``), [BLOCK_K] float32."""
     q, s = quantize_tile(tl.reshape(x, (BLOCK_K // 128, 128)), MIN_S, ROUND_E4M3)
-    return tl.reshape(q.to(FP8_T).to(tl.float32) * s[:, None], (BLOCK_K,))
+    return tl.reshape(q.to(tl.float8e4nv).to(tl.float32) * s[:, None], (BLOCK_K,))
+
+
+@triton.jit
+def _qdq_rows_kernel(x_ptr, y_ptr, ids_ptr, num_experts, K, stride_x, stride_y, SLOTS: tl.constexpr,
+                     MIN_S: tl.constexpr, ROUND_E4M3: tl.constexpr):
+    """y[row] = the value of x[row]'s per-128-group fp8 quantisation, float32: one program per row, one group a
+    step. The one-token kernels read y, so the quantisation runs once, not once per program. SLOTS: row j is slot
+    j's, left alone when its id is outside [0, E) (the gate/up never wrote it)."""
+    row = tl.program_id(0).to(tl.int64)
+    if SLOTS:
+        e = tl.load(ids_ptr + row)
+        if (e < 0) | (e >= num_experts):
+            return
+    ks = tl.arange(0, 128)
+    for k0 in range(0, K, 128):
+        k = k0 + ks
+        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + k, _dequantized_groups(x, 128, MIN_S, ROUND_E4M3), mask=k < K)
 
 
 @triton.jit
 def _fp8_one_token_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, num_experts, H, I, NB_I,
                                   stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MIN_S: tl.constexpr,
-                                  ROUND_E4M3: tl.constexpr, PDL: tl.constexpr):
-    """act[j, cols] = silu(g) * u, [g; u] = deq(w13[ids[j], gate/up rows of cols]) @ q(x[0]), float32, for one
-    token; slots with an id outside [0, E) write nothing (the down kernel does not read them)."""
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """act[j, cols] = silu(g) * u, [g; u] = deq(w13[ids[j], gate/up rows of cols]) @ x, float32, for one token
+    whose row x is already quantised and dequantised (``_qdq_rows_kernel``); slots with an id outside [0, E) write
+    nothing (the down kernel does not read them)."""
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     j = tl.program_id(0)
     e = tl.load(ids_ptr + j).to(tl.int64)
@@ -189,8 +208,7 @@ def _fp8_one_token_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, num_ex
     for k0 in range(0, H, BLOCK_K):
         k = k0 + ks
         k_ok = k < H
-        x = _dequantized_groups(tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32), BLOCK_K, MIN_S,
-                                ROUND_E4M3, w_ptr.dtype.element_ty)
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0)  # float32, already quantised and dequantised
         wg = tl.load(w_gate + k[None, :], mask=k_ok[None, :], other=0.0)
         wu = tl.load(w_up + k[None, :], mask=k_ok[None, :], other=0.0)
         part_g += wg.to(tl.float32) * (x * tl.load(s_gate + k // 128, mask=k_ok, other=0.0))[None, :]
@@ -204,11 +222,10 @@ def _fp8_one_token_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, num_ex
 def _fp8_one_token_down_kernel(act_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids_ptr,
                                top_k, num_experts, H, I,
                                stride_act, stride_we, stride_wn, stride_wse, stride_wsn,
-                               KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MIN_S: tl.constexpr,
-                               ROUND_E4M3: tl.constexpr, PDL: tl.constexpr):
-    """out[0, cols] = sum_j weight[j] * q(act[j]) @ deq(w2[ids[j], cols]).T for one token, in registers (act
-    float32 from the one-token gate/up, quantised per 128-group here). BLOCK_N divides 128, so along K the block
-    scale of this program's rows is one value per 128 columns; BLOCK_K is a multiple of 128."""
+                               KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out[0, cols] = sum_j weight[j] * act[j] @ deq(w2[ids[j], cols]).T for one token, in registers (act: the
+    gate/up's output quantised and dequantised by ``_qdq_rows_kernel``). BLOCK_N divides 128, so along K the block
+    scale of this program's rows is one value per 128 columns."""
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -232,8 +249,7 @@ def _fp8_one_token_down_kernel(act_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids
         s = tl.sum(tl.where(pick, scale, 0.0), axis=0)
         w = tl.load(w_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn + k[None, :],
                     mask=(k < I)[None, :], other=0.0)
-        a = _dequantized_groups(tl.load(act_ptr + j * stride_act + k, mask=ok, other=0.0), BLOCK_K, MIN_S,
-                                ROUND_E4M3, w_ptr.dtype.element_ty)
+        a = tl.load(act_ptr + j * stride_act + k, mask=ok, other=0.0)  # float32, quantised and dequantised
         a = a * tl.load(ws_ptr + e * stride_wse + block_row + k // 128, mask=ok, other=0.0)
         part += w.to(tl.float32) * (a * s)[None, :]
     tl.store(out_ptr + cols, tl.sum(part, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -278,20 +294,25 @@ def moe_experts_fp8_decode(hidden, w13, w13_scale, w2, w2_scale, topk_weights, t
     out = torch.empty_like(hidden)
     kp = _pow2(top_k)
     if num_tokens == 1 and one_token:
+        xq = torch.empty(1, hidden_size, dtype=torch.float32, device=hidden.device)
+        _qdq_rows_kernel[(1,)](hidden, xq, ids, num_experts, hidden_size, hidden.stride(0), xq.stride(0),
+                               SLOTS=False, MIN_S=MIN_SCALE, ROUND_E4M3=ROUND, num_warps=4)
         act = torch.empty(top_k, inter, dtype=torch.float32, device=hidden.device)
         bn = max(1, min(cfg.block_n_one_up, 128, _pow2(inter)))
-        bk = max(128, min(cfg.block_k_one_up, _pow2(hidden_size)))
+        bk = max(16, min(cfg.block_k_one_up, _pow2(hidden_size)))
         _fp8_one_token_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
-            hidden, w13, w13_scale, act, ids, num_experts, hidden_size, inter, triton.cdiv(inter, BLOCK),
+            xq, w13, w13_scale, act, ids, num_experts, hidden_size, inter, triton.cdiv(inter, BLOCK),
             w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
-            BLOCK_N=bn, BLOCK_K=bk, MIN_S=MIN_SCALE, ROUND_E4M3=ROUND, num_warps=cfg.num_warps_one_up,
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps_one_up,
             num_stages=1 if ROUND else cfg.num_stages_one_up, **pdl_args(hidden, "moe_gate_up"))
+        _qdq_rows_kernel[(top_k,)](act, act, ids, num_experts, inter, act.stride(0), act.stride(0), SLOTS=True,
+                                   MIN_S=MIN_SCALE, ROUND_E4M3=ROUND, num_warps=4)  # in place
         bn = max(1, min(cfg.block_n_one, 128, _pow2(hidden_size)))
-        bk = max(128, min(cfg.block_k_one, _pow2(inter)))
+        bk = max(16, min(cfg.block_k_one, _pow2(inter)))
         _fp8_one_token_down_kernel[(triton.cdiv(hidden_size, bn),)](
             act, w2, w2_scale, weights, out, ids, top_k, num_experts, hidden_size, inter,
             act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            KP=kp, BLOCK_N=bn, BLOCK_K=bk, MIN_S=MIN_SCALE, ROUND_E4M3=ROUND, num_warps=cfg.num_warps_one,
+            KP=kp, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps_one,
             num_stages=1 if ROUND else cfg.num_stages_one, **pdl_args(hidden, "moe_down"))
         return out
     aq, a_s = gate_up(hidden, w13, w13_scale, ids, num_pairs, by_slot, cfg)
