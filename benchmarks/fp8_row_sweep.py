@@ -1,8 +1,7 @@
 """Tile sweep of the one-row fp8 decode kernel (``fp8_linear`` at M = 1) on a model's projections, each timed
 from one CUDA graph of many launches (no launch overhead), against the built-in tiles and bf16
 ``small_m_linear`` on the same shapes. Prints a table, one JSON line, and the ``TURNOUT_SMALL_M_TILES`` value
-that sets the fastest tiles of the CUDA-core kernel (fp8_linear's one-row path honours it by "N,K"), and the
-same kernel's float16 arithmetic (``ROW_KERNEL = "fma16"``) on the same tiles beside them.
+that sets the fastest tiles (fp8_linear's one-row path honours it by "N,K").
 
     PYTHONPATH=$PWD python benchmarks/fp8_row_sweep.py [--model qwen3-8b] [--json out.json]
 """
@@ -21,10 +20,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _builtin(tfp8, n: int) -> tuple:
-    return tuple(tfp8._row_tiles(n))
-
-
 def main() -> None:
     from small_m_linear import shapes_of, time_graph
 
@@ -35,14 +30,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--kinds", default="fma,fma16", help="which arithmetics of the one-row kernel to sweep (fma, fma16)")
     args = ap.parse_args()
     path = args.model if os.path.exists(args.model) else os.path.join(HERE, "configs", args.model)
-    configs = [("fma", (bn, bk, w, st)) for bn, bk, w, st in itertools.product((1, 2, 4, 8, 16, 32),
-                                                                              (512, 1024, 2048, 4096), (4, 8), (3,))
+    configs = [(bn, bk, w, st) for bn, bk, w, st in itertools.product((1, 2, 4, 8, 16, 32), (512, 1024, 2048, 4096),
+                                                                     (4, 8), (3,))
                if 2048 <= bn * bk <= 16384]  # 2-16 KiB of fp8 a tile: 30 configs a shape
-    configs += [("fma16", tiles) for _, tiles in configs]
-    configs = [c for c in configs if c[0] in args.kinds.split(",")]
     copies = 8  # distinct weights per graph, so L2 holds none of them between launches
     result, best_tiles = {}, {}
     for name, (n, k) in shapes_of(path).items():
@@ -52,18 +44,17 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         nbytes = n * k
 
-        def run(kind=None, tiles=None):
+        def run(tiles=None):
             def fn(w, s):
                 return tfp8.fp8_linear(x, w, s)
-            if kind is None:
+            if tiles is None:
                 return time_graph(fn, ws)
-            saved = tfp8.small_m_tiles, tfp8.ROW_KERNEL
-            tfp8.ROW_KERNEL = kind
+            saved = tfp8.small_m_tiles
             tfp8.small_m_tiles = lambda: {(n, k): tiles}
             try:
                 return time_graph(fn, ws)
             finally:
-                tfp8.small_m_tiles, tfp8.ROW_KERNEL = saved
+                tfp8.small_m_tiles = saved
 
         default = run()
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -71,29 +62,20 @@ def main() -> None:
         del wb
         times = {}
         for c in configs:
-            if c[1][1] > max(128, 1 << (k - 1).bit_length()):
+            if c[1] > max(128, 1 << (k - 1).bit_length()):
                 continue
             try:
-                times[c] = run(*c)
+                times[c] = run(c)
             except Exception as e:  # noqa: BLE001 - a tile the compiler rejects (registers, shared memory)
                 print(f"{name} {c}: {type(e).__name__}", flush=True)
         best = min(times, key=times.get)
-        best_fma = min((c for c in times if c[0] == "fma"), key=times.get, default=("fma", _builtin(tfp8, n)))
-        best_16 = min((c for c in times if c[0] == "fma16"), key=times.get, default=("fma16", _builtin(tfp8, n)))
-        times.setdefault(best_fma, default)
-        times.setdefault(best_16, float("nan"))
-        best_tiles[f"{n},{k}"] = list(best_fma[1])
+        best_tiles[f"{n},{k}"] = list(best)
         result[name] = {"N": n, "K": k, "default_us": default * 1e6, "default_GB_s": nbytes / default / 1e9,
-                        "best": [best[0], *best[1]], "best_us": times[best] * 1e6, "best_GB_s": nbytes / times[best] / 1e9,
-                        "best_fma": list(best_fma[1]), "best_fma_us": times[best_fma] * 1e6,
-                        "best_16": list(best_16[1]), "best_16_us": times[best_16] * 1e6,
-                        "fma16_us": {",".join(map(str, c[1])): round(t * 1e6, 2) for c, t in times.items()
-                                   if c[0] == "fma16"},
+                        "best": list(best), "best_us": times[best] * 1e6, "best_GB_s": nbytes / times[best] / 1e9,
                         "bf16_us": bf16 * 1e6, "bf16_GB_s": 2 * nbytes / bf16 / 1e9}
         r = result[name]
         print(f"{name:10} N={n:6} K={k:6}: built-in {r['default_us']:7.1f} us ({r['default_GB_s']:6.0f} GB/s), best "
-              f"{best} {r['best_us']:7.1f} us ({r['best_GB_s']:6.0f} GB/s) [fma {r['best_fma_us']:.1f}, fma16 "
-              f"{r['best_16_us']:.1f} {best_16[1]}]; bf16 small_m {r['bf16_us']:7.1f} us "
+              f"{best} {r['best_us']:7.1f} us ({r['best_GB_s']:6.0f} GB/s); bf16 small_m {r['bf16_us']:7.1f} us "
               f"({r['bf16_GB_s']:6.0f} GB/s)", flush=True)
         del ws
     result["TURNOUT_SMALL_M_TILES"] = json.dumps(best_tiles)

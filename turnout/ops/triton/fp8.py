@@ -25,8 +25,6 @@ cast by torch; and its bfloat16 ``tl.dot`` is wrong, so bf16 tiles are upcast (f
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -202,9 +200,8 @@ def block_scaled_mm(xq, x_scale, weight, weight_scale, bias=None, out_dtype=torc
 
 
 @triton.jit
-def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, X_EXP, stride_wn, stride_wsn, W_BLOCK: tl.constexpr,
-                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                HALF: tl.constexpr):
+def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn, W_BLOCK: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -212,43 +209,19 @@ def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, X_EXP, stride_wn, stri
     w_rows = w_ptr + cols_c[:, None] * stride_wn
     block_row = ws_ptr + ((pid * BLOCK_N) // 128) * stride_wsn  # every row of this program is in this block
     ks = tl.arange(0, BLOCK_K)
-    if HALF:
-        # float16 products and per-lane sums: the weight's conversion is one instruction per two elements (e4m3x2 to
-        # f16x2) and the multiply-add a half-precision one, against one and a half conversions and a float32 FMA per
-        # weight. x (block scales folded in) is scaled by the power of two that puts its largest element at
-        # 2^X_EXP: 448 * 2^X_EXP * (K tiles) stays inside float16 (the host picks X_EXP), so no lane overflows.
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # x is K elements, read from L2 by every program: cheap beside the weights
-            k = k0 + ks
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            if W_BLOCK:
-                x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x))
-        e = tl.ceil(tl.log2(tl.maximum(tl.max(amax, axis=0), 1e-30)))
-        inv = tl.exp2(X_EXP - e)  # powers of two: exact
-        part16 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
+    part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+            x = tl.load(x_ptr + k).to(tl.float32)
+        else:
             w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
             x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            if W_BLOCK:
-                x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
-            part16 += w.to(tl.float16) * (x * inv).to(tl.float16)[None, :]
-        acc = tl.sum(part16.to(tl.float32), axis=1) * tl.exp2(e - X_EXP)
-    else:
-        part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :])
-                x = tl.load(x_ptr + k).to(tl.float32)
-            else:
-                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            if W_BLOCK:
-                x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
-            part += w.to(tl.float32) * x[None, :]
-        acc = tl.sum(part, axis=1)
+        if W_BLOCK:
+            x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
+        part += w.to(tl.float32) * x[None, :]
+    acc = tl.sum(part, axis=1)
     if not W_BLOCK:
         acc = acc * tl.load(ws_ptr + cols_c * stride_wsn)
     if HAS_BIAS:
@@ -256,19 +229,23 @@ def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, X_EXP, stride_wn, stri
     tl.store(y_ptr + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-# The one-row kernel's arithmetic for 16-bit x: "fma" (float32 products and sums) or "fma16" (float16 products and
-# sums per lane, HALF above). Measured choices go here.
-ROW_KERNEL = "fma"
-
-
-def _row_tiles(n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the one-row kernel: small_m_linear's one-row choices with
-    K tiles twice as long (the same bytes per tile at one byte an element). BLOCK_N divides 128."""
+def _row_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the one-row kernel, the fastest of 30 tiles (2-16 KiB of fp8)
+    on Qwen3-8B's projections on the H200, each from a CUDA graph of launches on weights not in L2
+    (benchmarks/fp8_row_sweep.py; docs/benchmarks.md, twelfth session): qkv 6144 x 4096 9.1 us, o 4096 x 4096
+    7.2, gate_up 24576 x 4096 28.4, down 4096 x 12288 15.5 (the previous guesses: 10.4 / 7.9 / 30.7 / 15.9).
+    BLOCK_N divides 128. Two variants lost there and are not kept: the row as a 16-row float16 tile on the
+    matrix units (13.3 / 10.8 / 28.9 / 25.2 us), and float16 products and lane sums on the CUDA cores
+    (10.1 / 7.9 / 28.7 / 17.4 us): fewer conversions a weight did not make it faster."""
     if n <= 1024:
         return max(1, min(8, n // 64)), 4096, 4, 2
-    if n >= 16384:
-        return 32, 256, 8, 5
-    return 4, 2048, 4, 4
+    if k >= 8192:
+        return 2, 2048, 4, 3
+    if n <= 4096:
+        return 8, 1024, 4, 3
+    if n <= 8192:
+        return 16, 512, 8, 3
+    return 32, 512, 8, 3
 
 
 def fp8_linear(x, weight, weight_scale, bias=None):
@@ -283,14 +260,11 @@ def fp8_linear(x, weight, weight_scale, bias=None):
     x = x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = small_m_tiles().get((n, k)) or _row_tiles(n)  # TURNOUT_SMALL_M_TILES by "N,K"
+    bn, bk, warps, stages = small_m_tiles().get((n, k)) or _row_tiles(n, k)  # TURNOUT_SMALL_M_TILES by "N,K"
     bk = max(128, min(bk, triton.next_power_of_2(k)))
     bn = 1 << (bn.bit_length() - 1)  # a power of two, so a program's rows never straddle a 128-row block
-    half = ROW_KERNEL == "fma16" and x.dtype in (torch.bfloat16, torch.float16)
-    # float16 lanes sum cdiv(K, bk) products of at most 448 * 2^X_EXP: keep that under 65504 / 2
-    x_exp = math.floor(math.log2(32752 / (448 * triton.cdiv(k, bk))))
-    _row_kernel[(triton.cdiv(n, bn),)](x, weight, weight_scale, bias if bias is not None else y, y, n, k, float(x_exp),
+    _row_kernel[(triton.cdiv(n, bn),)](x, weight, weight_scale, bias if bias is not None else y, y, n, k,
                                        weight.stride(0), weight_scale.stride(0), W_BLOCK=w_block,
                                        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                       HALF=half, num_warps=warps, num_stages=1 if _INTERPRET else stages)
+                                       num_warps=warps, num_stages=1 if _INTERPRET else stages)
     return y

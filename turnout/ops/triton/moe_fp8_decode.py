@@ -62,9 +62,12 @@ class Fp8DecodeConfig:
     block_k_one: int = 1024
     num_warps_one: int = 8
     num_stages_one: int = 4
-    block_n_one_up: int = 4  # one token, gate/up: columns of I per program (divides 128), and its K tile over H
-    block_k_one_up: int = 1024
-    num_warps_one_up: int = 4
+    # one token, gate/up: columns of I per program (divides 128) and its K tile over H: the fastest of 20 on
+    # Qwen3-30B-A3B on the H200 (benchmarks/moe_fp8_one_token.py, the whole op from a CUDA graph: 36.1 us against
+    # 39.5 for 4 x 1024 x 4 warps; bf16 moe_experts 27.0; docs/benchmarks.md twelfth session)
+    block_n_one_up: int = 8
+    block_k_one_up: int = 512
+    num_warps_one_up: int = 8
     num_stages_one_up: int = 3
 
 
