@@ -27,9 +27,12 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=None, help="default: input-len + all steps + 16")
     ap.add_argument("--quantization", default=None, help="e.g. fp8 (online quantisation of the dummy weights)")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also cProfile the host over the wall-time steps and print its top N functions (the GPU "
+                         "waits for the host when wall time exceeds GPU busy time)")
     args = ap.parse_args()
     warm = 4 + (args.batch * args.input_len) // 2048  # prefill (chunked) + warm decode steps
-    max_tokens = warm + 2 * args.steps + 8
+    max_tokens = warm + 3 * args.steps + 8  # wall, host profile, torch profiler
     llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16",
               max_model_len=args.max_model_len or args.input_len + max_tokens + 16, max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5,
               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
@@ -48,6 +51,21 @@ def main():
         eng.step(finished_only=True)
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    if args.host_profile:
+        import cProfile
+        import pstats
+
+        host = cProfile.Profile()
+        t1 = time.perf_counter()
+        host.enable()
+        for _ in range(args.steps):
+            eng.step(finished_only=True)
+        torch.cuda.synchronize()
+        host.disable()
+        print(f"host profile: {(time.perf_counter() - t1) / args.steps * 1e3:.3f} ms a step under cProfile, "
+              f"lookahead steps so far {eng.core.num_lookahead_steps}")
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(host).sort_stats(key).print_stats(args.host_profile)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(args.steps):
