@@ -30,9 +30,18 @@ def _cases():
                {"aq_ptr": F8, "as_ptr": F32, "w_ptr": F8, "ws_ptr": F32, "weights_ptr": F32, "out_ptr": F32,
                 "ids_ptr": I32}, dict(SCAN=128, BLOCK_M=16, BLOCK_N=64 if by_slot else 128, BY_SLOT=by_slot, **PDL),
                {"num_stages": 3})
+    cfg = moe_fp8_decode.DEFAULT
+    for label, slots, x in (("qdq hidden row", False, B), ("qdq activations", True, F32)):
+        yield (label, moe_fp8_decode._qdq_rows_kernel, {"x_ptr": x, "y_ptr": F32, "ids_ptr": I32},
+               dict(SLOTS=slots, MIN_S=MIN_SCALE, ROUND_E4M3=False), {})
+    yield ("one-token gate_up", moe_fp8_decode._fp8_one_token_gate_up_kernel,
+           {"x_ptr": F32, "w_ptr": F8, "ws_ptr": F32, "act_ptr": F32, "ids_ptr": I32},
+           dict(BLOCK_N=cfg.block_n_one_up, BLOCK_K=cfg.block_k_one_up, **PDL),
+           {"num_warps": cfg.num_warps_one_up, "num_stages": cfg.num_stages_one_up})
     yield ("one-token down", moe_fp8_decode._fp8_one_token_down_kernel,
-           {"aq_ptr": F8, "as_ptr": F32, "w_ptr": F8, "ws_ptr": F32, "weights_ptr": F32, "out_ptr": B, "ids_ptr": I32},
-           dict(KP=8, BLOCK_N=8, BLOCK_K=1024, **PDL), {"num_warps": 8, "num_stages": 4})
+           {"act_ptr": F32, "w_ptr": F8, "ws_ptr": F32, "weights_ptr": F32, "out_ptr": B, "ids_ptr": I32},
+           dict(KP=8, BLOCK_N=cfg.block_n_one, BLOCK_K=cfg.block_k_one, **PDL),
+           {"num_warps": cfg.num_warps_one, "num_stages": cfg.num_stages_one})
     for block_m, bn2, warps, stages in (moe_fp8.gemm_config(n, 128) for n in (1024, 4096, 8192, 65536)):
         yield (f"grouped gate_up BLOCK_M={block_m}", moe_fp8._gate_up_kernel,
                {**gate_up, "sorted_pairs_ptr": I32, "block_expert_ptr": I32},
