@@ -31,8 +31,11 @@ def main():
                     help="also cProfile the host over the wall-time steps and print its top N functions (the GPU "
                          "waits for the host when wall time exceeds GPU busy time)")
     args = ap.parse_args()
-    warm = 4 + (args.batch * args.input_len) // 2048  # prefill (chunked) + warm decode steps
-    max_tokens = warm + 3 * args.steps + 8  # wall, host profile, torch profiler
+    # Sequences that finish their prefill decode while the others' chunks run, so the prefill takes more steps
+    # than batch * input_len / 2048 (137 against 128 at 256 x 1024): warm up until every sequence decodes (the
+    # twelfth session's batch-256 numbers timed 5 prefill steps among 16 before this), then 4 steps more.
+    prefill_steps = 2 * (args.batch * args.input_len) // 2048 + args.batch + 8  # an upper bound
+    max_tokens = prefill_steps + 4 + 3 * args.steps + 8  # warm, wall, host profile, torch profiler
     llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16",
               max_model_len=args.max_model_len or args.input_len + max_tokens + 16, max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5,
               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
@@ -41,7 +44,16 @@ def main():
     p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(args.batch):
         eng.add_request(str(i), torch.randint(0, 1000, (args.input_len,), generator=g).tolist(), p)
-    for _ in range(warm):
+    sched = eng.core.scheduler
+    for n in range(prefill_steps):
+        eng.step()
+        if (not sched.waiting and len(sched.running) == args.batch
+                and all(seq.num_computed_tokens >= args.input_len for seq in sched.running)):
+            break
+    else:
+        raise SystemExit(f"the prefill did not finish in {prefill_steps} steps")
+    print(f"prefill done after {n + 1} steps", flush=True)
+    for _ in range(4):
         eng.step()
     torch.cuda.synchronize()
     import time

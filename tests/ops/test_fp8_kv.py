@@ -162,3 +162,27 @@ def test_policy_clause():
 
     with pytest.raises(PolicyError, match="kv_cache"):
         Policy.parse("kv_cache=int4")
+
+
+@pytest.mark.parametrize("q_scale", [3e4, 1e-5])
+def test_fp8_attention_with_queries_beyond_float16(q_scale):
+    """Over an fp8 cache the Triton kernel's dots are float16 (turnout/ops/triton/attention.py, F16_DOT): bfloat16
+    queries far beyond float16's range (a scaled-down q, the scale divided back out of the scores) or far below its
+    normal range give the reference's attention, in bfloat16's tolerance."""
+    registry, platform = default_registry(), detect_platform()
+    if not platform.triton_usable()[0]:
+        pytest.skip("Triton does not run here")
+    spec = registry.ops["paged_attention"]
+    fn = resolve_op("paged_attention", registry, platform, FP8_POLICY).candidate("triton.default").fn
+    gen = torch.Generator().manual_seed(3)
+    case = _fp8_case(spec, next(iter(spec.sample_inputs(platform.device(), torch.bfloat16, gen))), platform.device())
+    names = list(inspect.signature(spec.reference).parameters)
+    args = list(case.args)
+    args[names.index("query")] = (args[names.index("query")].float() * q_scale).to(torch.bfloat16)
+    case.args = tuple(args)
+    want = spec.reference(*copy.deepcopy(case.args), **copy.deepcopy(case.kwargs))
+    got = fn(*copy.deepcopy(case.args), **copy.deepcopy(case.kwargs))
+    assert torch.isfinite(got).all()
+    atol, rtol = spec.tolerance["bfloat16"]
+    ok, err, msg = compare_tensors([want], [got], atol, rtol)
+    assert ok, msg

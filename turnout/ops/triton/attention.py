@@ -87,7 +87,8 @@ def _paged_attn_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, HEAD_D: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
         HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
-        ONE_TOKEN: tl.constexpr = False, FP8_KV: tl.constexpr = False, ROUND: tl.constexpr = False):
+        ONE_TOKEN: tl.constexpr = False, FP8_KV: tl.constexpr = False, ROUND: tl.constexpr = False,
+        F16_DOT: tl.constexpr = False):
     """With ROPE (decode, one new token per sequence): Q, KN and VN are the raw q, k and v of the new tokens;
     each program normalises and rotates its q rows itself, and the program whose KV range holds the new
     position also normalises, rotates and writes the new k and v into the cache before reading it.
@@ -95,7 +96,12 @@ def _paged_attn_kernel(
     token is token b, and the first loads (its length, position, slot, q) do not wait on query_start_loc.
     FP8_KV: the cache is e4m3fn with per-tensor scales KS / VS: a tile is upcast to q's dtype as it is loaded, the
     key scale is folded into the score scale and the value scale into the final normalisation (exact: each is
-    one number), and the new k / v of the ROPE path are quantised as reshape_and_cache does."""
+    one number), and the new k / v of the ROPE path are quantised as reshape_and_cache does.
+    F16_DOT (an fp8 cache with 16-bit q): both dots in float16. e4m3 converts to float16 exactly at one instruction
+    per two values; bfloat16 tiles took that plus one f16 -> bf16 conversion per value (the sm90 PTX), and the
+    fp8 cache was read at 1,041 GB/s against the bf16 cache's 3,147 at 64 x 4096 on the H200 (docs/benchmarks.md,
+    twelfth session). q is scaled by a power of two when its largest element would not fit float16 (the score
+    scale divides it back out, exactly); p <= 1 fits."""
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -157,6 +163,11 @@ def _paged_attn_kernel(
         s_scale = qk_scale
         if FP8_KV:
             s_scale = qk_scale * tl.load(KS)
+        if F16_DOT:
+            q_abs = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+            q_mult = tl.exp2(tl.minimum(14.0 - tl.ceil(tl.log2(tl.maximum(q_abs, 1e-30))), 0.0))  # 1 unless > 2^14
+            q = (q.to(tl.float32) * q_mult).to(tl.float16)
+            s_scale = s_scale / q_mult
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
@@ -326,7 +337,7 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
         SPLIT=split, PRECISION=precision, **rope_consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         ONE_TOKEN=max_query_len == 1 and num_tokens == batch, FP8_KV=fp8, ROUND=fp8 and ROUND_FP8,
-        **pdl_args(query, "attention"))
+        F16_DOT=fp8 and query.dtype in (torch.bfloat16, torch.float16), **pdl_args(query, "attention"))
     if split:
         _split_reduce_kernel[(num_tokens, hq)](
             ws_o, ws_lse, out, num_splits, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
