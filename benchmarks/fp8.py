@@ -169,13 +169,12 @@ def hf(args) -> dict:
 MOE_MODEL = "qwen3_30b_a3b"
 
 
-def _moe_kernels() -> dict:
-    """moe_experts_fp8 (Triton) against bf16 moe_experts (Triton) on Qwen3-30B-A3B's experts, random routings."""
+def moe_experts_weights(model: str = MOE_MODEL):
+    """A MoE config's experts on the GPU, random: ((hidden, intermediate, top_k, experts), bf16 w13, bf16 w2, and
+    their fp8 128 x 128 block quantisation q13, s13, q2, s2 as moe_experts_fp8 takes them)."""
     from turnout.ops.reference.fp8 import quantize_weight
-    from turnout.ops.triton.moe import moe_experts
-    from turnout.ops.triton.moe_fp8 import moe_experts_fp8
 
-    cfg = json.load(open(_config_path(MOE_MODEL)))
+    cfg = json.load(open(_config_path(model)))
     h, inter, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     e = cfg.get("num_experts") or cfg["num_local_experts"]
     dev = torch.device("cuda")
@@ -190,7 +189,16 @@ def _moe_kernels() -> dict:
         q2.append(q)
         s2.append(s)
     q13, s13, q2, s2 = (torch.stack(t) for t in (q13, s13, q2, s2))
-    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    return (h, inter, k, e), w13.bfloat16(), w2.bfloat16(), q13, s13, q2, s2
+
+
+def _moe_kernels() -> dict:
+    """moe_experts_fp8 (Triton) against bf16 moe_experts (Triton) on Qwen3-30B-A3B's experts, random routings."""
+    from turnout.ops.triton.moe import moe_experts
+    from turnout.ops.triton.moe_fp8 import moe_experts_fp8
+
+    (h, inter, k, e), w13, w2, q13, s13, q2, s2 = moe_experts_weights()
+    dev = w13.device
     out = {}
     for t in (1, 8, 64, 512, 4096):
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)

@@ -23,30 +23,17 @@ sys.path.insert(0, HERE)
 
 
 def main() -> None:
+    from fp8 import moe_experts_weights
     from small_m_linear import time_graph
 
-    from turnout.ops.reference.fp8 import quantize_weight
     from turnout.ops.triton.moe import moe_experts
     from turnout.ops.triton.moe_fp8_decode import DEFAULT, moe_experts_fp8_decode
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    cfg = json.load(open(os.path.join(HERE, "configs", "qwen3_30b_a3b.json")))
-    h, inter, k, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"], cfg["num_experts"]
-    dev = torch.device("cuda")
-    w13 = torch.randn(e, 2 * inter, h, device=dev) * h ** -0.5
-    w2 = torch.randn(e, h, inter, device=dev) * inter ** -0.5
-    q13, s13, q2, s2 = [], [], [], []
-    for i in range(e):
-        parts = [quantize_weight(w13[i, :inter], "block"), quantize_weight(w13[i, inter:], "block")]
-        q13.append(torch.cat([p[0] for p in parts]))
-        s13.append(torch.cat([p[1] for p in parts]))
-        q, s = quantize_weight(w2[i], "block")
-        q2.append(q)
-        s2.append(s)
-    q13, s13, q2, s2 = (torch.stack(t) for t in (q13, s13, q2, s2))
-    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    (h, inter, k, e), w13, w2, q13, s13, q2, s2 = moe_experts_weights("qwen3_30b_a3b")
+    dev = w13.device
     calls = [(torch.randn(1, h, device=dev, dtype=torch.bfloat16), torch.randperm(e, device=dev)[:k][None].int(),
               torch.rand(1, k, device=dev)) for _ in range(16)]
     fp8_bytes = k * 3 * inter * h  # per call: k experts' w13 + w2, one byte a weight

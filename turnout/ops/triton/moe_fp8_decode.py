@@ -160,14 +160,6 @@ def _fp8_down_kernel(aq_ptr, as_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids_pt
 
 
 @triton.jit
-def _dequantized_groups(x, BLOCK_K: tl.constexpr, MIN_S: tl.constexpr, ROUND_E4M3: tl.constexpr):
-    """x [BLOCK_K] float32 (BLOCK_K a multiple of 128, zeros past the end) -> the value of its per-128-group fp8
-    quantisation, q * s (``quantize_fp8(., 128)`` then ``dequantize_act``), [BLOCK_K] float32."""
-    q, s = quantize_tile(tl.reshape(x, (BLOCK_K // 128, 128)), MIN_S, ROUND_E4M3)
-    return tl.reshape(q.to(tl.float8e4nv).to(tl.float32) * s[:, None], (BLOCK_K,))
-
-
-@triton.jit
 def _qdq_rows_kernel(x_ptr, y_ptr, ids_ptr, num_experts, K, stride_x, stride_y, SLOTS: tl.constexpr,
                      MIN_S: tl.constexpr, ROUND_E4M3: tl.constexpr):
     """y[row] = the value of x[row]'s per-128-group fp8 quantisation, float32: one program per row, one group a
@@ -178,11 +170,12 @@ def _qdq_rows_kernel(x_ptr, y_ptr, ids_ptr, num_experts, K, stride_x, stride_y, 
         e = tl.load(ids_ptr + row)
         if (e < 0) | (e >= num_experts):
             return
-    ks = tl.arange(0, 128)
+    ks = tl.arange(0, 128)[None, :]  # one 128-group a step, as a [1, 128] tile for quantize_tile
     for k0 in range(0, K, 128):
         k = k0 + ks
-        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + k, _dequantized_groups(x, 128, MIN_S, ROUND_E4M3), mask=k < K)
+        q, s = quantize_tile(tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32), MIN_S,
+                             ROUND_E4M3)
+        tl.store(y_ptr + row * stride_y + k, q.to(tl.float8e4nv).to(tl.float32) * s[:, None], mask=k < K)
 
 
 @triton.jit
