@@ -44,7 +44,23 @@ def _time(fn, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def kernel_part(batch: int, context: int, iters: int, hq=32, hk=8, d=128, bs=16) -> dict:
+def _set_tuning(tuning: dict | None) -> None:
+    """Decode attention's tiles for the next launches (TURNOUT_ATTN_DECODE, read at launch; None: built-in)."""
+    from turnout import envs
+
+    if tuning:
+        os.environ["TURNOUT_ATTN_DECODE"] = json.dumps(tuning)
+    else:
+        os.environ.pop("TURNOUT_ATTN_DECODE", None)
+    envs.reload()
+
+
+SWEEP = [{"block_n": n, "num_warps": w, "num_stages": s} for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)
+         if not (n == 128 and w == 2)]
+
+
+def kernel_part(batch: int, context: int, iters: int, hq=32, hk=8, d=128, bs=16, sweep: bool = False) -> dict:
+    """The kernel at one decode step, bf16 and fp8 caches. ``sweep``: also each tile of SWEEP (built-in first)."""
     from turnout.ops import Policy, resolve
     from turnout.ops.kv_cache import FP8_KV
     from turnout.ops.reference.cache import to_cache
@@ -76,6 +92,20 @@ def kernel_part(batch: int, context: int, iters: int, hq=32, hk=8, d=128, bs=16)
         copy_ms = _time(lambda: (dst[:flat.numel()].copy_(flat), dst[flat.numel():].copy_(flat)), iters)
         out[name] = {"impl": ops.chosen("paged_attention"), "ms": ms, "cache_bytes": nbytes,
                      "GB_s": nbytes / ms / 1e6, "copy_GB_s": 2 * nbytes / copy_ms / 1e6}
+        if sweep:
+            tiles = []
+            for tuning in SWEEP:
+                _set_tuning(tuning)
+                try:
+                    t_ms = _time(step, iters)
+                except Exception as e:  # a tile that does not compile (shared memory) is skipped, and said
+                    tiles.append({**tuning, "error": str(e).splitlines()[0][:200]})
+                    continue
+                tiles.append({**tuning, "ms": t_ms, "GB_s": nbytes / t_ms / 1e6})
+            _set_tuning(None)
+            ok = [t for t in tiles if "ms" in t]
+            out[name]["sweep"] = tiles
+            out[name]["best"] = min(ok, key=lambda t: t["ms"]) if ok else None
         del k, v, dst
         torch.cuda.empty_cache()
     out["fp8_speedup"] = out["bf16"]["ms"] / out["fp8"]["ms"]
@@ -101,13 +131,21 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=".")
     ap.add_argument("--skip-engines", action="store_true", help="only the kernel part")
+    ap.add_argument("--sweep", action="store_true", help="also time each decode tile of SWEEP (TURNOUT_ATTN_DECODE)")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:  # part 2 in its own process
         print("RESULT " + json.dumps(tokens_held_child(args.model, args._child)), flush=True)
         return 0
-    result = {"kernel": kernel_part(args.batch, args.context, args.iters)}
+    result = {"kernel": kernel_part(args.batch, args.context, args.iters, sweep=args.sweep)}
     print(json.dumps(result["kernel"], indent=1), flush=True)
+    if args.sweep:  # a table: the tiles a cache reads fastest
+        for name in ("bf16", "fp8"):
+            r = result["kernel"][name]
+            print(f"{name}: built-in {r['ms']:.3f} ms {r['GB_s']:.0f} GB/s (copy {r['copy_GB_s']:.0f})")
+            for t in sorted((t for t in r["sweep"] if "ms" in t), key=lambda t: t["ms"])[:6]:
+                print(f"  block_n {t['block_n']:>3} warps {t['num_warps']} stages {t['num_stages']}: "
+                      f"{t['ms']:.3f} ms {t['GB_s']:.0f} GB/s")
     if not args.skip_engines:
         held = []
         for kv in ("auto", "fp8"):
