@@ -2,7 +2,8 @@
 
 Part 1, the kernel alone: the op table's ``paged_attention`` (Triton) at one decode step of ``--batch``
 sequences of ``--context`` tokens, Qwen3-8B's attention geometry (32 query heads, 8 KV heads, head dim 128),
-over a bf16 cache and over an fp8 cache (per-tensor scales). Reported: median time of ``--iters`` launches
+over a bf16 cache and over an fp8 cache (per-tensor scales; V read as 16-bit pairs of columns, and byte-wise
+as before: ``fp8_bytewise``). Reported: median time of ``--iters`` launches
 (CUDA events), the cache bytes a step reads and their rate (GB/s), beside a device copy of the same bytes.
 
 Part 2, tokens held: ``LLM(model, load_format="dummy")`` with kv_cache_dtype auto and fp8, each in its own process
@@ -74,13 +75,16 @@ def kernel_part(batch: int, context: int, iters: int, hq=32, hk=8, d=128, bs=16,
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
     q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=dev)
     out = {"batch": batch, "context": context, "heads": [hq, hk, d]}
-    for name in ("bf16", "fp8"):
-        policy = Policy.parse("kv_cache=fp8" if name == "fp8" else "", source="bench")
+    from turnout.ops.triton import attention
+
+    for name in ("bf16", "fp8", "fp8_bytewise"):  # fp8_bytewise: V read byte-wise (attention.V_PAIRS off)
+        attention.V_PAIRS = name != "fp8_bytewise"
+        policy = Policy.parse("" if name == "bf16" else "kv_cache=fp8", source="bench")
         ops = resolve(platform, policy, ops=["paged_attention"])
         k = torch.randn(batch * nblk, bs, hk, d, dtype=torch.bfloat16, device=dev)
         v = torch.randn_like(k)
         kw = {}
-        if name == "fp8":
+        if name != "bf16":
             ks, vs = (torch.tensor([0.02], device=dev) for _ in range(2))
             k, v = to_cache(k, FP8_KV, ks), to_cache(v, FP8_KV, vs)
             kw = {"k_scale": ks, "v_scale": vs}
@@ -92,7 +96,7 @@ def kernel_part(batch: int, context: int, iters: int, hq=32, hk=8, d=128, bs=16,
         copy_ms = _time(lambda: (dst[:flat.numel()].copy_(flat), dst[flat.numel():].copy_(flat)), iters)
         out[name] = {"impl": ops.chosen("paged_attention"), "ms": ms, "cache_bytes": nbytes,
                      "GB_s": nbytes / ms / 1e6, "copy_GB_s": 2 * nbytes / copy_ms / 1e6}
-        if sweep:
+        if sweep and name != "fp8_bytewise":
             tiles = []
             for tuning in SWEEP:
                 _set_tuning(tuning)
@@ -108,6 +112,7 @@ def kernel_part(batch: int, context: int, iters: int, hq=32, hk=8, d=128, bs=16,
             out[name]["best"] = min(ok, key=lambda t: t["ms"]) if ok else None
         del k, v, dst
         torch.cuda.empty_cache()
+    attention.V_PAIRS = True
     out["fp8_speedup"] = out["bf16"]["ms"] / out["fp8"]["ms"]
     return out
 
@@ -140,10 +145,10 @@ def main() -> int:
     result = {"kernel": kernel_part(args.batch, args.context, args.iters, sweep=args.sweep)}
     print(json.dumps(result["kernel"], indent=1), flush=True)
     if args.sweep:  # a table: the tiles a cache reads fastest
-        for name in ("bf16", "fp8"):
+        for name in ("bf16", "fp8", "fp8_bytewise"):
             r = result["kernel"][name]
             print(f"{name}: built-in {r['ms']:.3f} ms {r['GB_s']:.0f} GB/s (copy {r['copy_GB_s']:.0f})")
-            for t in sorted((t for t in r["sweep"] if "ms" in t), key=lambda t: t["ms"])[:6]:
+            for t in sorted((t for t in r.get("sweep", []) if "ms" in t), key=lambda t: t["ms"])[:6]:
                 print(f"  block_n {t['block_n']:>3} warps {t['num_warps']} stages {t['num_stages']}: "
                       f"{t['ms']:.3f} ms {t['GB_s']:.0f} GB/s")
     if not args.skip_engines:

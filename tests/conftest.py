@@ -10,6 +10,12 @@ except Exception:  # pragma: no cover
     _has_gpu = False
 if not _has_gpu:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # tests/ is on sys.path (pytest puts a conftest's directory there: no __init__.py). tl.dot row by row: a
+    # row's bits then do not depend on the machine's BLAS kernel (see tests/_interpreter_dot.py)
+    import _interpreter_dot
+
+    _interpreter_dot.install()
 
 import pytest  # noqa: E402
 

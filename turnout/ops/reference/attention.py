@@ -54,6 +54,7 @@ def _samples(device, dtype, gen):
         ([9, 16], [9, 16], 4, 4, 32, 8),
         ([7, 3], [40, 19], 8, 2, 64, 16),
         ([1, 12, 1, 5], [70, 12, 3, 29], 6, 2, 128, 16),
+        ([1, 6], [21, 6], 4, 2, 80, 16),  # a head dim below its power of two: the padded columns are masked
     ]
     for qlens, kvlens, hq, hk, d, bs in cases:
         b = len(qlens)

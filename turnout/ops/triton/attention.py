@@ -35,6 +35,9 @@ _SPLIT_MAX_Q = 1
 _MAX_SPLITS = 64
 # Aim for this many programs per SM when splitting; with one program per SM already, do not split.
 _PROGRAMS_PER_SM = 2
+# An fp8 cache's V read as 16-bit pairs of columns (the kernel's V_PAIRS); benchmarks/fp8_kv.py turns it off to
+# time the byte-wise tile beside it.
+V_PAIRS = True
 TUNING_ENV = "TURNOUT_ATTN_DECODE"  # {"num_splits", "block_n", "num_warps", "num_stages"} (_tuning.py)
 
 
@@ -88,7 +91,7 @@ def _paged_attn_kernel(
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
         HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
         ONE_TOKEN: tl.constexpr = False, FP8_KV: tl.constexpr = False, ROUND: tl.constexpr = False,
-        F16_DOT: tl.constexpr = False):
+        F16_DOT: tl.constexpr = False, V_PAIRS: tl.constexpr = False):
     """With ROPE (decode, one new token per sequence): Q, KN and VN are the raw q, k and v of the new tokens;
     each program normalises and rotates its q rows itself, and the program whose KV range holds the new
     position also normalises, rotates and writes the new k and v into the cache before reading it.
@@ -171,9 +174,15 @@ def _paged_attn_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, D_PAD // 2], dtype=tl.float32)  # V_PAIRS: the odd columns (acc: the even)
         bt_row = BT + b.to(tl.int64) * stride_bt
         k_head = K + kvh.to(tl.int64) * stride_kh
         v_head = V + kvh.to(tl.int64) * stride_vh
+        if V_PAIRS:
+            acc = tl.zeros([BLOCK_M, D_PAD // 2], dtype=tl.float32)
+            v_pairs = v_head.to(tl.pointer_type(tl.uint16))
+            offs_p = tl.arange(0, D_PAD // 2)
+            p_ok = offs_p < HEAD_D // 2
         for start in range(kv_lo, kv_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < kv_hi
@@ -194,10 +203,23 @@ def _paged_attn_kernel(
             p = tl.exp2(s - m_use[:, None])
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                        mask=v_mask, other=0.0)  # [BLOCK_N, D_PAD]
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            if V_PAIRS:  # V as 16-bit pairs (columns 2j, 2j + 1): the tile reaches the dot as 16-bit values,
+                # which the hardware transposes (ldmatrix.trans); then each half is its own dot's operand
+                vp = tl.load(v_pairs + ((page * stride_vb + slot * stride_vs) // 2)[:, None] + offs_p[None, :],
+                             mask=n_ok[:, None] & p_ok[None, :], other=0)  # [BLOCK_N, D_PAD // 2]
+                v_lo = (vp & 0xFF).to(tl.uint8).to(K.dtype.element_ty, bitcast=True).to(tl.float16)
+                v_hi = (vp >> 8).to(tl.uint8).to(K.dtype.element_ty, bitcast=True).to(tl.float16)
+                p16 = p.to(tl.float16)
+                acc = acc * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
+                acc_hi = acc_hi * alpha[:, None] + tl.dot(p16, v_hi, input_precision=PRECISION)
+            else:
+                v = tl.load(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                            mask=v_mask, other=0.0)  # [BLOCK_N, D_PAD]
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             m_i = m_new
+
+        if V_PAIRS:  # columns back in order: 2j from acc, 2j + 1 from acc_hi
+            acc = tl.reshape(tl.join(acc, acc_hi), [BLOCK_M, D_PAD])
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -326,6 +348,7 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         rope_args = (query,) * 7 + (0.0,) + (0,) * 5
         rope_consts = dict(ROPE=False, HAS_NORM=False, IS_NEOX=True, ROT=1, HALF=1)
     ks, vs, fp8 = fp8_kv_args(k_cache, k_scale, v_scale, query)
+    f16_dot = fp8 and query.dtype in (torch.bfloat16, torch.float16)
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, ws_o, ws_lse,
         scale * LOG2E, num_splits,
@@ -337,7 +360,8 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
         SPLIT=split, PRECISION=precision, **rope_consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         ONE_TOKEN=max_query_len == 1 and num_tokens == batch, FP8_KV=fp8, ROUND=fp8 and ROUND_FP8,
-        F16_DOT=fp8 and query.dtype in (torch.bfloat16, torch.float16), **pdl_args(query, "attention"))
+        F16_DOT=f16_dot, V_PAIRS=f16_dot and V_PAIRS and head_dim % 2 == 0 and cfg["D_PAD"] >= 32
+        and all(st % 2 == 0 for st in v_cache.stride()[:3]), **pdl_args(query, "attention"))
     if split:
         _split_reduce_kernel[(num_tokens, hq)](
             ws_o, ws_lse, out, num_splits, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
