@@ -1,7 +1,6 @@
 """Tile sweep of the one-row fp8 decode kernel (``fp8_linear`` at M = 1) on a model's projections, each timed
 from one CUDA graph of many launches (no launch overhead), against the built-in tiles and bf16
-``small_m_linear`` on the same shapes, and the built-in tiles with the compiler's e4m3 cast instead of the
-integer conversion (``INT_CVT``). Prints a table, one JSON line, and the ``TURNOUT_SMALL_M_TILES`` value
+``small_m_linear`` on the same shapes. Prints a table, one JSON line, and the ``TURNOUT_SMALL_M_TILES`` value
 that sets the fastest tiles (fp8_linear's one-row path honours it by "N,K").
 
     PYTHONPATH=$PWD python benchmarks/fp8_row_sweep.py [--model qwen3-8b] [--json out.json]
@@ -31,12 +30,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--quick", action="store_true", help="only the built-in tiles (integer conversion and cast)")
     args = ap.parse_args()
     path = args.model if os.path.exists(args.model) else os.path.join(HERE, "configs", args.model)
     configs = [(bn, bk, w, st) for bn, bk, w, st in itertools.product((1, 2, 4, 8, 16, 32), (512, 1024, 2048, 4096),
                                                                      (4, 8), (3,))
-               if 2048 <= bn * bk <= 16384 and not args.quick]  # 2-16 KiB of fp8 a tile: 30 configs a shape
+               if 2048 <= bn * bk <= 16384]  # 2-16 KiB of fp8 a tile: 30 configs a shape
     copies = 8  # distinct weights per graph, so L2 holds none of them between launches
     result, best_tiles = {}, {}
     for name, (n, k) in shapes_of(path).items():
@@ -59,11 +57,6 @@ def main() -> None:
                 tfp8.small_m_tiles = saved
 
         default = run()
-        tfp8.INT_CVT = False  # the compiler's e4m3 cast instead of the integer conversion, built-in tiles
-        try:
-            cast = run()
-        finally:
-            tfp8.INT_CVT = True
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         bf16 = time_graph(lambda w: small_m_linear(x, w, None), [(w,) for w in wb])
         del wb
@@ -75,18 +68,13 @@ def main() -> None:
                 times[c] = run(c)
             except Exception as e:  # noqa: BLE001 - a tile the compiler rejects (registers, shared memory)
                 print(f"{name} {c}: {type(e).__name__}", flush=True)
-        times = times or {"built-in": default}
         best = min(times, key=times.get)
-        if best != "built-in":
-            best_tiles[f"{n},{k}"] = list(best)
+        best_tiles[f"{n},{k}"] = list(best)
         result[name] = {"N": n, "K": k, "default_us": default * 1e6, "default_GB_s": nbytes / default / 1e9,
-                        "best": best if isinstance(best, str) else list(best), "best_us": times[best] * 1e6,
-                        "best_GB_s": nbytes / times[best] / 1e9,
-                        "bf16_us": bf16 * 1e6, "bf16_GB_s": 2 * nbytes / bf16 / 1e9,
-                        "cast_us": cast * 1e6, "cast_GB_s": nbytes / cast / 1e9}
+                        "best": list(best), "best_us": times[best] * 1e6, "best_GB_s": nbytes / times[best] / 1e9,
+                        "bf16_us": bf16 * 1e6, "bf16_GB_s": 2 * nbytes / bf16 / 1e9}
         r = result[name]
-        print(f"{name:10} N={n:6} K={k:6}: built-in {r['default_us']:7.1f} us ({r['default_GB_s']:6.0f} GB/s; "
-              f"with the cast {r['cast_us']:7.1f} us), best "
+        print(f"{name:10} N={n:6} K={k:6}: built-in {r['default_us']:7.1f} us ({r['default_GB_s']:6.0f} GB/s), best "
               f"{best} {r['best_us']:7.1f} us ({r['best_GB_s']:6.0f} GB/s); bf16 small_m {r['bf16_us']:7.1f} us "
               f"({r['bf16_GB_s']:6.0f} GB/s)", flush=True)
         del ws

@@ -1,7 +1,6 @@
 """The one-token fp8 MoE path (``moe_experts_fp8_decode`` at T = 1, turnout/ops/triton/moe_fp8_decode.py) under
 several ``Fp8DecodeConfig`` tiles, on Qwen3-30B-A3B's experts (128 x 128 block scales), against the bf16
-``moe_experts`` on the same routings; "cast" is the built-in tiles with the compiler's e4m3 cast instead of the
-integer conversion. Each timed from one CUDA graph of 16 calls with different routings (so the
+``moe_experts`` on the same routings. Each timed from one CUDA graph of 16 calls with different routings (so the
 8 experts of a call are rarely in L2), the bytes moved counted from the experts hit. Prints a table and one JSON
 line; ``--json`` writes it.
 
@@ -45,20 +44,16 @@ def main() -> None:
             for bn, bk, w in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8)) if bn * bk <= 16384]
     grid += [dict(block_n_one=bn, block_k_one=1024, num_warps_one=w) for bn, w in itertools.product((4, 8, 16),
                                                                                                       (4, 8))]
-    from turnout.ops.triton import fp8 as tfp8
-
-    for fields in [{}, "cast"] + grid:  # "cast": the built-in tiles with the compiler's e4m3 cast (INT_CVT off)
-        tfp8.INT_CVT = fields != "cast"
-        c = DEFAULT if fields == "cast" else dataclasses.replace(DEFAULT, **fields)
+    for fields in [{}] + grid:
+        c = dataclasses.replace(DEFAULT, **fields)
         try:
             t = time_graph(lambda x, ids, wt: moe_experts_fp8_decode(x, q13, s13, q2, s2, wt, ids, config=c), calls)
         except Exception as ex:  # noqa: BLE001 - a tile the compiler rejects
             print(f"{fields}: {type(ex).__name__}", flush=True)
             continue
-        key = fields if isinstance(fields, str) else json.dumps(fields) if fields else "default"
+        key = json.dumps(fields) if fields else "default"
         result["configs"][key] = {"us": t * 1e6, "GB_s": fp8_bytes / t / 1e9}
         print(f"fp8 {key}: {t * 1e6:.1f} us ({fp8_bytes / t / 1e9:.0f} GB/s)", flush=True)
-    tfp8.INT_CVT = True
     best = min(result["configs"], key=lambda key: result["configs"][key]["us"])
     result["best"] = best
     print(f"best: {best} {result['configs'][best]['us']:.1f} us")

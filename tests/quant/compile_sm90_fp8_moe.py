@@ -1,6 +1,5 @@
-"""Compile the fp8 MoE expert kernels and the dense one-row fp8_linear kernel for sm90 as the H200 runs them (fp8
-weights, bf16 activations, PDL on where they take part, the integer e4m3 conversion where it is on), without a GPU;
-one JSON line per kernel variant.
+"""Compile the fp8 MoE expert kernels for sm90 as the H200 runs them (fp8 weights, bf16 activations, PDL on where
+they take part), without a GPU; one JSON line per kernel variant.
 
 Run by tests/quant/test_compile_sm90_fp8_moe.py in a subprocess without TRITON_INTERPRET (under the interpreter
 ``@triton.jit`` gives functions that cannot be compiled)."""
@@ -15,7 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from turnout.ops.reference.fp8 import MIN_SCALE
-from turnout.ops.triton import fp8, moe_fp8, moe_fp8_decode
+from turnout.ops.triton import moe_fp8, moe_fp8_decode
 
 B, F8, F32, I32 = "*bf16", "*fp8e4nv", "*fp32", "*i32"
 PDL = {"PDL": True}
@@ -37,18 +36,12 @@ def _cases():
                dict(SLOTS=slots, MIN_S=MIN_SCALE, ROUND_E4M3=False), {})
     yield ("one-token gate_up", moe_fp8_decode._fp8_one_token_gate_up_kernel,
            {"x_ptr": F32, "w_ptr": F8, "ws_ptr": F32, "act_ptr": F32, "ids_ptr": I32},
-           dict(BLOCK_N=cfg.block_n_one_up, BLOCK_K=cfg.block_k_one_up, INT_CVT=True, **PDL),
+           dict(BLOCK_N=cfg.block_n_one_up, BLOCK_K=cfg.block_k_one_up, **PDL),
            {"num_warps": cfg.num_warps_one_up, "num_stages": cfg.num_stages_one_up})
     yield ("one-token down", moe_fp8_decode._fp8_one_token_down_kernel,
            {"act_ptr": F32, "w_ptr": F8, "ws_ptr": F32, "weights_ptr": F32, "out_ptr": B, "ids_ptr": I32},
-           dict(KP=8, BLOCK_N=cfg.block_n_one, BLOCK_K=cfg.block_k_one, INT_CVT=True, **PDL),
+           dict(KP=8, BLOCK_N=cfg.block_n_one, BLOCK_K=cfg.block_k_one, **PDL),
            {"num_warps": cfg.num_warps_one, "num_stages": cfg.num_stages_one})
-    for w_block in (True, False):  # the dense one-row kernel, as fp8_linear launches it on Qwen3-8B's gate_up
-        bn, bk, warps, stages = fp8._row_tiles(24576, 4096)
-        yield (f"dense one-row w_block={w_block}", fp8._row_kernel,
-               {"x_ptr": B, "w_ptr": F8, "ws_ptr": F32, "b_ptr": B, "y_ptr": B},
-               dict(W_BLOCK=w_block, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, INT_CVT=True),
-               {"num_warps": warps, "num_stages": stages})
     for block_m, bn2, warps, stages in (moe_fp8.gemm_config(n, 128) for n in (1024, 4096, 8192, 65536)):
         yield (f"grouped gate_up BLOCK_M={block_m}", moe_fp8._gate_up_kernel,
                {**gate_up, "sorted_pairs_ptr": I32, "block_expert_ptr": I32},
@@ -72,8 +65,7 @@ def main() -> int:
             ptx = compiled.asm["ptx"]
             row.update(ok=True, sm90=".target sm_90" in ptx, waits="griddepcontrol.wait" in ptx,
                        pdl=bool(consts.get("PDL")), wgmma_e4m3=bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
-                       block_m=consts.get("BLOCK_M"), shared=compiled.metadata.shared,
-                       int_cvt=bool(consts.get("INT_CVT")), prmt="prmt.b32" in ptx, cvt_e4m3="e4m3x2" in ptx)
+                       block_m=consts.get("BLOCK_M"), shared=compiled.metadata.shared)
         except Exception as e:  # noqa: BLE001 - reported per kernel
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
         print(json.dumps(row), flush=True)

@@ -1,4 +1,4 @@
-"""The fp8 MoE expert kernels (and the dense one-row fp8 kernel) compile for an sm90 GPU on this machine, with no GPU (as tests/ops/test_compile_sm90.py
+"""The fp8 MoE expert kernels compile for an sm90 GPU on this machine, with no GPU (as tests/ops/test_compile_sm90.py
 does for the decode-step kernels): the interpreter runs them as Python, so a construct the compiler rejects, a PDL
 wait missing, or an fp8 dot that does not reach the fp8 matrix units would pass there and show only on the H200.
 Each variant is compiled as moe_fp8 / moe_fp8_decode launch it (tests/quant/compile_sm90_fp8_moe.py, in a
@@ -11,7 +11,7 @@ from sm90_compile import require_compiler, run_script
 require_compiler()
 
 SCRIPT = Path(__file__).with_name("compile_sm90_fp8_moe.py")
-EXPECTED = 18  # kernel variants the script compiles
+EXPECTED = 16  # kernel variants the script compiles
 
 
 def test_fp8_moe_kernels_compile_for_sm90():
@@ -25,6 +25,3 @@ def test_fp8_moe_kernels_compile_for_sm90():
     big = [r for r in results if (r["block_m"] or 0) >= 64]
     assert big and all(r["wgmma_e4m3"] for r in big), big
     assert all(r["shared"] <= 227 * 1024 for r in results)
-    # the integer e4m3 -> float32 conversion (inline PTX, which the interpreter cannot run) is what they execute
-    int_cvt = [r for r in results if r["int_cvt"]]
-    assert len(int_cvt) == 4 and all(r["prmt"] and not r["cvt_e4m3"] for r in int_cvt), int_cvt

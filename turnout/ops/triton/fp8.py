@@ -34,35 +34,6 @@ from turnout.ops.triton._tuning import interpreted, small_m_tiles
 
 _INTERPRET = interpreted()
 
-# e4m3 -> float32 on the integer units, four values a 32-bit register: byte i moved to the top byte (prmt), an
-# arithmetic shift right by 4 puts e4m3's 7 magnitude bits at float32's bits 26..20 (exponent field's low 4 bits
-# and the mantissa's top 3), and the mask keeps the sign and those bits. The float32 read from those bits is the
-# e4m3 value times 2^-120 for every input, subnormals included (e4m3's exponent bias 7 sits 120 below float32's
-# 127; e4m3 subnormals land on float32 subnormals of the same digits). E4M3_F32_UNSCALE undoes
-# the factor. The two NaN codes read as +-480 (quantised weights are never NaN: quantisation clamps to +-448).
-# Three integer instructions a value, against three conversions per two values for the compiler's
-# cast (e4m3x2 -> f16x2, then f16 -> f32 twice), and sm90 converts at a quarter of the integer rate: the
-# one-row kernels were conversion-bound (2.1-3.5 TB/s of fp8 against bf16's 3.4-4.3; docs/benchmarks.md).
-_E4M3_F32_ASM = tl.constexpr(  # every read of the input ($4) precedes the first write of an output (they may share a register)
-    "{ .reg .b32 t0, t1, t2, t3; "
-    "prmt.b32 t0, $4, 0, 0x0444; prmt.b32 t1, $4, 0, 0x1444; prmt.b32 t2, $4, 0, 0x2444; prmt.b32 t3, $4, 0, 0x3444; "
-    "shr.s32 t0, t0, 4; shr.s32 t1, t1, 4; shr.s32 t2, t2, 4; shr.s32 t3, t3, 4; "
-    "and.b32 $0, t0, 0x87F00000; and.b32 $1, t1, 0x87F00000; and.b32 $2, t2, 0x87F00000; "
-    "and.b32 $3, t3, 0x87F00000; }")
-E4M3_F32_UNSCALE = tl.constexpr(2.0 ** 120)
-INT_CVT = not _INTERPRET  # the launches' INT_CVT; benchmarks/fp8_row_sweep.py turns it off to time the cast beside it
-
-
-@triton.jit
-def e4m3_to_f32(w, INT_CVT: tl.constexpr):
-    """An e4m3fn tensor as float32. INT_CVT (compiled kernels only: the interpreter runs no PTX): the integer
-    conversion above, times 2^120 (exact: a power of two); else the compiler's cast."""
-    if INT_CVT:
-        bits = tl.inline_asm_elementwise(_E4M3_F32_ASM, "=r,=r,=r,=r,r", [w.to(tl.uint8, bitcast=True)],
-                                         dtype=tl.float32, is_pure=True, pack=4)
-        return bits * E4M3_F32_UNSCALE
-    return w.to(tl.float32)
-
 
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, stride_sm, G,
@@ -230,8 +201,7 @@ def block_scaled_mm(xq, x_scale, weight, weight_scale, bias=None, out_dtype=torc
 
 @triton.jit
 def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn, W_BLOCK: tl.constexpr,
-                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                INT_CVT: tl.constexpr = False):
+                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -250,7 +220,7 @@ def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn,
             x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         if W_BLOCK:
             x = x * tl.load(block_row + k // 128, mask=k < K, other=0.0)
-        part += e4m3_to_f32(w, INT_CVT) * x[None, :]
+        part += w.to(tl.float32) * x[None, :]
     acc = tl.sum(part, axis=1)
     if not W_BLOCK:
         acc = acc * tl.load(ws_ptr + cols_c * stride_wsn)
@@ -296,5 +266,5 @@ def fp8_linear(x, weight, weight_scale, bias=None):
     _row_kernel[(triton.cdiv(n, bn),)](x, weight, weight_scale, bias if bias is not None else y, y, n, k,
                                        weight.stride(0), weight_scale.stride(0), W_BLOCK=w_block,
                                        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                       INT_CVT=INT_CVT, num_warps=warps, num_stages=1 if _INTERPRET else stages)
+                                       num_warps=warps, num_stages=1 if _INTERPRET else stages)
     return y

@@ -41,9 +41,7 @@ import triton.language as tl
 from turnout.ops.reference.fp8 import BLOCK, FP8, MIN_SCALE
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
 from turnout.ops.triton._tuning import interpreted
-from turnout.ops.triton import fp8 as fp8_kernels
 from turnout.ops.triton.cache import round_e4m3
-from turnout.ops.triton.fp8 import e4m3_to_f32
 from turnout.ops.triton.moe_decode import _chunk_pairs, _owned_expert, _pow2, _sum_slots_kernel
 
 ROUND = interpreted()
@@ -183,8 +181,7 @@ def _qdq_rows_kernel(x_ptr, y_ptr, ids_ptr, num_experts, K, stride_x, stride_y, 
 @triton.jit
 def _fp8_one_token_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, num_experts, H, I, NB_I,
                                   stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                                  INT_CVT: tl.constexpr = False):
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """act[j, cols] = silu(g) * u, [g; u] = deq(w13[ids[j], gate/up rows of cols]) @ x, float32, for one token
     whose row x is already quantised and dequantised (``_qdq_rows_kernel``); slots with an id outside [0, E) write
     nothing (the down kernel does not read them)."""
@@ -210,8 +207,8 @@ def _fp8_one_token_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, num_ex
         x = tl.load(x_ptr + k, mask=k_ok, other=0.0)  # float32, already quantised and dequantised
         wg = tl.load(w_gate + k[None, :], mask=k_ok[None, :], other=0.0)
         wu = tl.load(w_up + k[None, :], mask=k_ok[None, :], other=0.0)
-        part_g += e4m3_to_f32(wg, INT_CVT) * (x * tl.load(s_gate + k // 128, mask=k_ok, other=0.0))[None, :]
-        part_u += e4m3_to_f32(wu, INT_CVT) * (x * tl.load(s_up + k // 128, mask=k_ok, other=0.0))[None, :]
+        part_g += wg.to(tl.float32) * (x * tl.load(s_gate + k // 128, mask=k_ok, other=0.0))[None, :]
+        part_u += wu.to(tl.float32) * (x * tl.load(s_up + k // 128, mask=k_ok, other=0.0))[None, :]
     g = tl.sum(part_g, axis=1)
     u = tl.sum(part_u, axis=1)
     tl.store(act_ptr + j * stride_act + cols, g * tl.sigmoid(g) * u, mask=col_ok)
@@ -221,8 +218,7 @@ def _fp8_one_token_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, num_ex
 def _fp8_one_token_down_kernel(act_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids_ptr,
                                top_k, num_experts, H, I,
                                stride_act, stride_we, stride_wn, stride_wse, stride_wsn,
-                               KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                               INT_CVT: tl.constexpr = False):
+                               KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[0, cols] = sum_j weight[j] * act[j] @ deq(w2[ids[j], cols]).T for one token, in registers (act: the
     gate/up's output quantised and dequantised by ``_qdq_rows_kernel``). BLOCK_N divides 128, so along K the block
     scale of this program's rows is one value per 128 columns."""
@@ -251,7 +247,7 @@ def _fp8_one_token_down_kernel(act_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids
                     mask=(k < I)[None, :], other=0.0)
         a = tl.load(act_ptr + j * stride_act + k, mask=ok, other=0.0)  # float32, quantised and dequantised
         a = a * tl.load(ws_ptr + e * stride_wse + block_row + k // 128, mask=ok, other=0.0)
-        part += e4m3_to_f32(w, INT_CVT) * (a * s)[None, :]
+        part += w.to(tl.float32) * (a * s)[None, :]
     tl.store(out_ptr + cols, tl.sum(part, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -303,7 +299,7 @@ def moe_experts_fp8_decode(hidden, w13, w13_scale, w2, w2_scale, topk_weights, t
         _fp8_one_token_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
             xq, w13, w13_scale, act, ids, num_experts, hidden_size, inter, triton.cdiv(inter, BLOCK),
             w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
-            BLOCK_N=bn, BLOCK_K=bk, INT_CVT=fp8_kernels.INT_CVT, num_warps=cfg.num_warps_one_up,
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps_one_up,
             num_stages=1 if ROUND else cfg.num_stages_one_up, **pdl_args(hidden, "moe_gate_up"))
         _qdq_rows_kernel[(top_k,)](act, act, ids, num_experts, inter, act.stride(0), act.stride(0), SLOTS=True,
                                    MIN_S=MIN_SCALE, ROUND_E4M3=ROUND, num_warps=4)  # in place
@@ -312,7 +308,7 @@ def moe_experts_fp8_decode(hidden, w13, w13_scale, w2, w2_scale, topk_weights, t
         _fp8_one_token_down_kernel[(triton.cdiv(hidden_size, bn),)](
             act, w2, w2_scale, weights, out, ids, top_k, num_experts, hidden_size, inter,
             act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            KP=kp, BLOCK_N=bn, BLOCK_K=bk, INT_CVT=fp8_kernels.INT_CVT, num_warps=cfg.num_warps_one,
+            KP=kp, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps_one,
             num_stages=1 if ROUND else cfg.num_stages_one, **pdl_args(hidden, "moe_down"))
         return out
     aq, a_s = gate_up(hidden, w13, w13_scale, ids, num_pairs, by_slot, cfg)
