@@ -63,11 +63,11 @@ def _cases():
     fp8_cache = {**dict.fromkeys(("Q", "O", "QW", "KW", "KN", "VN"), B), "K": "*fp8e4nv", "V": "*fp8e4nv", "KS": F32,
                  "VS": F32, "BT": I32, "SEQ_LENS": I32, "QSL": I32, "WS_O": F32, "WS_LSE": F32, "qk_scale": "fp32",
                  "POS": I64, "CS": F32, "SLOTS": I64, "eps": "fp32"}
-    yield ("paged_attention prefill, fp8 cache, float16 dots, V pairs", attention._paged_attn_kernel,
+    yield ("paged_attention prefill, fp8 cache, float16 dots", attention._paged_attn_kernel,
            fp8_cache,
            dict(G=4, G_TILE=4, NUM_HEAD_TILES=1, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, BS=16, HEAD_D=128, D_PAD=128,
                 SPLIT=False, PRECISION=None, ROPE=False, HAS_NORM=False, IS_NEOX=True, ROT=1, HALF=1,
-                FP8_KV=True, ROUND=False, F16_DOT=True, V_PAIRS=True, **PDL), {})
+                FP8_KV=True, ROUND=False, F16_DOT=True, **PDL), {})
     yield ("paged_attention decode one token, fp8 cache, float16 dots, V pairs", attention._paged_attn_kernel,
            fp8_cache,
            dict(G=8, G_TILE=8, NUM_HEAD_TILES=1, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, BS=16, HEAD_D=128, D_PAD=128,

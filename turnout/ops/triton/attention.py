@@ -35,8 +35,11 @@ _SPLIT_MAX_Q = 1
 _MAX_SPLITS = 64
 # Aim for this many programs per SM when splitting; with one program per SM already, do not split.
 _PROGRAMS_PER_SM = 2
-# An fp8 cache's V read as 16-bit pairs of columns (the kernel's V_PAIRS); benchmarks/fp8_kv.py turns it off to
-# time the byte-wise tile beside it.
+# An fp8 cache's V read as 16-bit pairs of columns (the kernel's V_PAIRS), in one-token (decode) tiles only: with
+# prefill tiles (BLOCK_Q > 1) the pairs gave wrong outputs on the H200 in one conformance case (D 64, 7 and 3 new
+# tokens over 40 and 19: max error 1.0, where the interpreter matches the reference) and an illegal address in
+# another, under Triton 3.6; the decode tiles pass every case there. benchmarks/fp8_kv.py turns it off to time the
+# byte-wise tile beside it.
 V_PAIRS = True
 TUNING_ENV = "TURNOUT_ATTN_DECODE"  # {"num_splits", "block_n", "num_warps", "num_stages"} (_tuning.py)
 
@@ -104,7 +107,12 @@ def _paged_attn_kernel(
     per two values; bfloat16 tiles took that plus one f16 -> bf16 conversion per value (the sm90 PTX), and the
     fp8 cache was read at 1,041 GB/s against the bf16 cache's 3,147 at 64 x 4096 on the H200 (docs/benchmarks.md,
     twelfth session). q is scaled by a power of two when its largest element would not fit float16 (the score
-    scale divides it back out, exactly); p <= 1 fits."""
+    scale divides it back out, exactly); p <= 1 fits.
+    V_PAIRS (F16_DOT, one-token tiles, an even head dim): V loaded as 16-bit pairs of columns (2j, 2j + 1). An fp8 V
+    tile reached the PV dot through byte-wise shared-memory loads (sm90's ldmatrix transposes 16-bit elements, not
+    bytes: 64 ld.shared.b8 a thread and iteration in the PTX); as pairs it is transposed by ldmatrix.trans and its
+    low and high bytes feed two dots (even and odd output columns, stored as two strided halves). 64 x 4096 on the
+    H200: 0.313 -> 0.195 ms."""
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -218,22 +226,30 @@ def _paged_attn_kernel(
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             m_i = m_new
 
-        if V_PAIRS:  # columns back in order: 2j from acc, 2j + 1 from acc_hi
-            acc = tl.reshape(tl.join(acc, acc_hi), [BLOCK_M, D_PAD])
-
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
+        out_hi = acc_hi / l_safe[:, None]
         if FP8_KV:
             out = out * tl.load(VS)
-        mask = row_ok[:, None] & d_ok[None, :]
+            out_hi = out_hi * tl.load(VS)
+        if V_PAIRS:  # out holds the even columns 2j, out_hi the odd ones 2j + 1 (stored in two strided halves)
+            cols = 2 * offs_p
+            mask = row_ok[:, None] & p_ok[None, :]
+        else:
+            cols = offs_d
+            mask = row_ok[:, None] & d_ok[None, :]
         if SPLIT:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            tl.store(WS_O + q_row[:, None] * stride_wt + head[:, None] * stride_wh + split * stride_ws
-                     + offs_d[None, :], out, mask=mask)
+            ws = WS_O + q_row[:, None] * stride_wt + head[:, None] * stride_wh + split * stride_ws + cols[None, :]
+            tl.store(ws, out, mask=mask)
+            if V_PAIRS:
+                tl.store(ws + 1, out_hi, mask=mask)
             tl.store(WS_LSE + q_row * stride_lt + head * stride_lh + split, lse, mask=row_ok)
         else:
-            tl.store(O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                     out.to(O.dtype.element_ty), mask=mask)
+            o = O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
+            tl.store(o, out.to(O.dtype.element_ty), mask=mask)
+            if V_PAIRS:
+                tl.store(o + 1, out_hi.to(O.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -279,7 +295,10 @@ def choose_num_splits(batch: int, kv_programs: int, max_query_len: int, max_seq_
 
 def _tiles(max_query_len: int, group: int, head_dim: int) -> dict:
     """Tile sizes: decode uses one token per program (rows = the GQA group, padded to 16 for tl.dot);
-    prefill packs BLOCK_M // group tokens per program."""
+    prefill packs BLOCK_M // group tokens per program. Over an fp8 cache a 128-token decode tile with 3 stages
+    (TURNOUT_ATTN_DECODE='{"block_n": 128, "num_stages": 3}') read Qwen3-8B's geometry 6-9 % faster on the H200
+    (0.195 -> 0.177 ms at 64 x 4096, 0.210 -> 0.198 ms at 256 x 1280; docs/benchmarks.md, thirteenth session); it
+    is not the default because its conformance has not run on a GPU yet (the 64-token tile's has)."""
     g_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if d_pad <= 128 else 32
@@ -311,6 +330,10 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         raise ValueError("paged_attention needs a unit stride on the head dimension")
     block_size, hk = k_cache.shape[1], k_cache.shape[2]
     group = hq // hk
+    ks, vs, fp8 = fp8_kv_args(k_cache, k_scale, v_scale, query)
+    f16_dot = fp8 and query.dtype in (torch.bfloat16, torch.float16)
+    v_pairs = (f16_dot and V_PAIRS and max_query_len <= 1 and head_dim % 2 == 0 and head_dim > 16
+               and all(st % 2 == 0 for st in v_cache.stride()[:3]))  # whole 16-bit pairs
     cfg = _tiles(max_query_len, group, head_dim)
     num_head_tiles = triton.cdiv(group, cfg["G_TILE"])
     if max_query_len <= _SPLIT_MAX_Q:
@@ -347,8 +370,6 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     else:
         rope_args = (query,) * 7 + (0.0,) + (0,) * 5
         rope_consts = dict(ROPE=False, HAS_NORM=False, IS_NEOX=True, ROT=1, HALF=1)
-    ks, vs, fp8 = fp8_kv_args(k_cache, k_scale, v_scale, query)
-    f16_dot = fp8 and query.dtype in (torch.bfloat16, torch.float16)
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, ws_o, ws_lse,
         scale * LOG2E, num_splits,
@@ -360,7 +381,7 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
         SPLIT=split, PRECISION=precision, **rope_consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         ONE_TOKEN=max_query_len == 1 and num_tokens == batch, FP8_KV=fp8, ROUND=fp8 and ROUND_FP8,
-        F16_DOT=f16_dot, V_PAIRS=f16_dot and V_PAIRS and head_dim % 2 == 0 and cfg["D_PAD"] >= 32
+        F16_DOT=f16_dot, V_PAIRS=v_pairs
         and all(st % 2 == 0 for st in v_cache.stride()[:3]), **pdl_args(query, "attention"))
     if split:
         _split_reduce_kernel[(num_tokens, hq)](
