@@ -24,15 +24,20 @@ def _rowwise_matmul(a: np.ndarray, b: np.ndarray, dtype) -> np.ndarray:
 
 def install() -> bool:
     """Replace InterpreterBuilder.create_dot (same conversions as Triton's, row-wise product); False where this
-    Triton has no such method (then the interpreter's own dot stays)."""
+    Triton's interpreter has another shape (then its own dot stays)."""
     try:
         from triton.runtime import interpreter
     except ImportError:
         return False
+    import inspect
+
     builder = getattr(interpreter, "InterpreterBuilder", None)
     original = getattr(builder, "create_dot", None)
     if original is None or getattr(original, "_rowwise", False):
         return original is not None
+    expected = ["self", "a", "b", "d", "input_precision", "max_num_imprecise_acc"]
+    if list(inspect.signature(original).parameters) != expected or not hasattr(interpreter, "_convert_float"):
+        return False  # another Triton's interpreter: its own dot stays
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         a_data, b_data = a.data, b.data
