@@ -31,7 +31,7 @@ def main() -> None:
 
     import torch
 
-    from turnout.distributed.parallel_state import init_distributed
+    from turnout.distributed.parallel_state import destroy_distributed, init_distributed
     from turnout.ops import resolve
     from turnout.platforms import detect_platform
 
@@ -74,7 +74,8 @@ def main() -> None:
                ["rows", "bytes", "allreduce_us", "bus_GBps", "copy_us", "copy_GBps"], {"world": world})
         if args.json:
             json.dump({"world": world, "rows": rows}, open(args.json, "w"))
-    torch.distributed.destroy_process_group()
+    torch.distributed.barrier()  # rank 1 leaving while rank 0 still reports aborted the gloo world on exit
+    destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -114,3 +114,20 @@ def test_ranks_with_different_configs_refuse_to_start(tmp_path):
     for p in procs:
         p.join(60)
     assert [p.exitcode for p in procs] == [3, 3]  # both refused, naming the field (node_rank may differ)
+
+
+def test_a_tokenizer_object_compares_by_its_class():
+    """Each rank builds its own tokenizer object (the benchmarks pass a NullTokenizer for dummy weights): the config
+    check compares its class, not its repr, which names an address that differs in every process (TP=2 benchmark
+    ranks refused to start over it)."""
+    import torch
+
+    from turnout.entrypoints.bench_models import NullTokenizer
+    from turnout.worker.lifecycle import _comparable, config_fields, config_hash
+
+    a, b = EngineConfig(tokenizer=NullTokenizer()), EngineConfig(tokenizer=NullTokenizer())
+    assert config_hash(a) == config_hash(b)
+    assert config_hash(a) != config_hash(EngineConfig(tokenizer=object()))
+    assert config_hash(EngineConfig(tokenizer="x")) != config_hash(EngineConfig(tokenizer="y"))
+    assert config_fields(a)["tokenizer"].endswith("NullTokenizer>")
+    assert _comparable(torch.float16) != _comparable(torch.bfloat16)  # an object with a plain repr keeps its value

@@ -65,8 +65,26 @@ def start_heartbeat(beats, rank: int) -> None:
     threading.Thread(target=beat, daemon=True, name="turnout-heartbeat").start()
 
 
+def _comparable(value):
+    """A config value as every rank can compare it: plain values and containers as they are, nested dataclasses
+    field by field, other objects by their repr (a torch.dtype, a Path), except a repr that names an address
+    (" at 0x...", e.g. a tokenizer object passed in, like the benchmarks' NullTokenizer): that differs in every
+    process, so such an object compares by its class."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_comparable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _comparable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    text = repr(value)
+    return f"<{type(value).__module__}.{type(value).__qualname__}>" if " at 0x" in text else text
+
+
 def config_fields(config) -> dict:
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in _PER_NODE_FIELDS}
+    return {f.name: _comparable(getattr(config, f.name)) for f in dataclasses.fields(config)
+            if f.name not in _PER_NODE_FIELDS}
 
 
 def config_hash(config) -> str:
