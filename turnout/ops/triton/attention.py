@@ -381,8 +381,7 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=block_size, HEAD_D=head_dim, D_PAD=cfg["D_PAD"],
         SPLIT=split, PRECISION=precision, **rope_consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         ONE_TOKEN=max_query_len == 1 and num_tokens == batch, FP8_KV=fp8, ROUND=fp8 and ROUND_FP8,
-        F16_DOT=f16_dot, V_PAIRS=v_pairs
-        and all(st % 2 == 0 for st in v_cache.stride()[:3]), **pdl_args(query, "attention"))
+        F16_DOT=f16_dot, V_PAIRS=v_pairs, **pdl_args(query, "attention"))
     if split:
         _split_reduce_kernel[(num_tokens, hq)](
             ws_o, ws_lse, out, num_splits, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
