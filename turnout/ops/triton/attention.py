@@ -8,7 +8,8 @@ online softmax in float32 (base 2) and ``tl.dot`` for QK^T and PV.
 
 Decode with few sequences and long contexts leaves most of the GPU idle with one program per
 (sequence, KV head), so it splits the context across programs (flash-decoding): each split writes a
-normalised partial output and its log-sum-exp, and a second kernel merges them. Whether to split is
+normalised partial output and its log-sum-exp, and a second kernel merges them (both in
+turnout/ops/triton/attention_split.py). Whether to split is
 chosen from host ints (batch size, KV heads, max_seq_len, the SM count), so there is no device sync.
 The split count is the implementation's declared choice ``num_splits`` (turnout/ops/triton/__init__.py:
 CHOICES): ``turnout ops`` shows it and ``TURNOUT_OPS="paged_attention.num_splits=1"`` fixes it.
@@ -16,25 +17,17 @@ CHOICES): ``turnout ops`` shows it and ``TURNOUT_OPS="paged_attention.num_splits
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
-from turnout.ops.triton.cache import ROUND_FP8, fp8_kv_args, quantize_kv
 from turnout.ops.triton._tuning import attn_decode
+from turnout.ops.triton.attention_split import _SPLIT_MAX_Q, _num_sms, _split_reduce_kernel, choose_num_splits
+from turnout.ops.triton.cache import ROUND_FP8, fp8_kv_args, quantize_kv
 
 LOG2E = 1.4426950408889634
 
-# Decode only (max_query_len <= _SPLIT_MAX_Q) is split. The split count is fixed from host ints (so a
-# captured graph serves every context length); each sequence's own length is cut into that many chunks
-# of whole KV tiles at run time, so a short context still spreads over several programs.
-_SPLIT_MAX_Q = 1
-_MAX_SPLITS = 64
-# Aim for this many programs per SM when splitting; with one program per SM already, do not split.
-_PROGRAMS_PER_SM = 2
 # An fp8 cache's V read as 16-bit pairs of columns (the kernel's V_PAIRS), in one-token (decode) tiles only: with
 # prefill tiles (BLOCK_Q > 1) the pairs gave wrong outputs on the H200 in one conformance case (D 64, 7 and 3 new
 # tokens over 40 and 19: max error 1.0, where the interpreter matches the reference) and an illegal address in
@@ -250,47 +243,6 @@ def _paged_attn_kernel(
             tl.store(o, out.to(O.dtype.element_ty), mask=mask)
             if V_PAIRS:
                 tl.store(o + 1, out_hi.to(O.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _split_reduce_kernel(WS_O, WS_LSE, O, num_splits, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
-                         stride_ot, stride_oh, S_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
-                         PDL: tl.constexpr):
-    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    s_ok = offs_s < num_splits
-    d_ok = offs_d < HEAD_D
-    lse = tl.load(WS_LSE + t * stride_lt + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
-    # o is loaded with lse, not after it (one memory round trip). Every split program of a token writes its
-    # rows, an empty split zeros with lse -inf, so no row read here is uninitialised
-    o = tl.load(WS_O + t * stride_wt + h * stride_wh + offs_s[:, None] * stride_ws + offs_d[None, :],
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    w = tl.exp2(lse - tl.max(lse, 0))  # empty splits have lse -inf: weight 0
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_type: str, index: int | None) -> int:
-    if device_type == "cuda":
-        return torch.cuda.get_device_properties(index or 0).multi_processor_count
-    return 8  # the interpreter: small enough that the tests' small batches still split
-
-
-def choose_num_splits(batch: int, kv_programs: int, max_query_len: int, max_seq_len: int, num_sms: int,
-                      min_split_tokens: int = 64) -> int:
-    """How many programs share one sequence's context (1: no split). Host ints only. At most one split
-    per ``min_split_tokens`` (the KV tile) of ``max_seq_len``."""
-    if max_query_len > _SPLIT_MAX_Q:
-        return 1
-    programs = batch * kv_programs
-    if programs >= num_sms:
-        return 1
-    target = _PROGRAMS_PER_SM * num_sms
-    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, min_split_tokens), _MAX_SPLITS))
 
 
 def _tiles(max_query_len: int, group: int, head_dim: int) -> dict:
