@@ -3,8 +3,8 @@
 Part 1, the kernel alone: the op table's ``paged_attention`` (Triton) at one decode step of ``--batch``
 sequences of ``--context`` tokens, Qwen3-8B's attention geometry (32 query heads, 8 KV heads, head dim 128),
 over a bf16 cache and over an fp8 cache (per-tensor scales; V read as 16-bit pairs of columns, and byte-wise
-as before: ``fp8_bytewise``). Reported: the median of 7 replays of a CUDA graph of 10
-launches, the cache bytes a step reads and their rate (GB/s), beside a device copy of the same bytes.
+as before: ``fp8_bytewise``). Reported: the time a launch from 20 replays of a CUDA graph
+of 10 launches, the cache bytes a step reads and their rate (GB/s), beside a device copy of the same bytes.
 
 Part 2, tokens held: ``LLM(model, load_format="dummy")`` with kv_cache_dtype auto and fp8, each in its own process
 (one engine per process: the memory profile sees only its own), KV blocks, tokens, the default max_num_seqs.
@@ -45,29 +45,12 @@ def _time(fn, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _time_graph(fn, launches: int = 10, reps: int = 7) -> float:
-    """Milliseconds a launch: ``launches`` calls captured in one CUDA graph, the graph replayed ``reps`` times, the
-    median replay (no launch gaps; the spread of single launches timed by events was +-20 % here)."""
-    fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / launches)
-    return sorted(times)[len(times) // 2]
+def _time_graph(fn, launches: int = 10) -> float:
+    """Milliseconds a launch, from a CUDA graph of ``launches`` calls (benchmarks/small_m_linear.py's time_graph: no
+    launch gaps; single launches timed by events spread +-20 % here)."""
+    from small_m_linear import time_graph
+
+    return time_graph(fn, [()] * launches) * 1e3
 
 
 def _set_tuning(tuning: dict | None) -> None:
