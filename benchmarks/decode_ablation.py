@@ -63,7 +63,7 @@ def main() -> int:
     import turnout.layers.moe.layer as moe_layer
     import turnout.ops.triton.moe_decode as moe_decode
     from turnout import LLM
-    from turnout.engine.cuda_graphs import maybe_capture
+    from turnout.worker.cuda_graphs import maybe_capture
     from turnout.entrypoints.bench_models import resolve_model
     from turnout.layers.moe.experts import FusedExperts
     from turnout.layers.moe.layer import Router

@@ -107,7 +107,7 @@ def main() -> int:
 
     from benchmarks.common import graph_replay_rounds
     from turnout import LLM, envs
-    from turnout.engine.cuda_graphs import maybe_capture
+    from turnout.worker.cuda_graphs import maybe_capture
     from turnout.entrypoints.bench_models import resolve_model
     from turnout.utils.roofline import copy_bandwidth, model_geometry
 

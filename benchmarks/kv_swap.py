@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from turnout.engine.kv_transfer import ASYNC_AHEAD
+from turnout.worker.kv_transfer import ASYNC_AHEAD
 
 IMPLS = {
     "triton.default": "turnout.ops.triton.swap",

@@ -9,7 +9,7 @@ One engine (dummy weights) per model. Measured, in this order:
    re-captured), and greedy tokens before sleeping == after waking.
 3. A trainer process on the same GPU builds every checkpoint tensor of the model (HF names and shapes from
    ``transformers`` on the meta device, random values), packs them into buckets of ``--bucket-mb``
-   (turnout/engine/weight_ipc.py ``make_bucket``) and sends each handle; the engine applies each with
+   (turnout/worker/weight_ipc.py ``make_bucket``) and sends each handle; the engine applies each with
    ``update_weights_from_ipc``. Reported: the wall time from the first bucket sent to the last applied
    (the trainer's packing included, as verl's figures are), the engine's share, GB and GB/s; then greedy
    tokens after the update differ from before (the new weights are in use).
@@ -32,7 +32,7 @@ def _trainer(model_dir: str, dtype: str, bucket_mb: int, conn) -> None:
     import torch
     import transformers
 
-    from turnout.engine.weight_ipc import make_bucket
+    from turnout.worker.weight_ipc import make_bucket
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):

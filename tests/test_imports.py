@@ -80,7 +80,6 @@ RULES = {
     "distributed imports only platforms": ((T + "distributed",), tuple(T + p for p in (
         "ops", "layers", "models", "loader", "kv", "engine", "entrypoints", "executor", "worker"))),
     "executor imports no entrypoints": ((T + "executor",), (T + "entrypoints",)),
-    # worker -> engine.model_runner stays until the model runner moves under worker/
     "worker imports no executor or entrypoints": ((T + "worker",), (T + "executor", T + "entrypoints")),
     # the dispatch layer's promise: implementations are reached through the op table only
     "engine imports no implementation module": ((T + "engine",), (T + "ops.triton", T + "ops.vendors",

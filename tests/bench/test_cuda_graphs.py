@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from turnout.engine.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets, is_graphable
+from turnout.worker.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets, is_graphable
 from turnout.layers.attention import AttentionMetadata
 
 TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
@@ -214,7 +214,7 @@ def test_cuda_graphs_capture_failure_falls_back_to_eager(tmp_path, caplog):
     kw = dict(load_format="dummy", dtype="float32", device="auto", max_model_len=64, max_num_seqs=4,
               kv_cache_memory=1 << 24, enable_prefix_caching=False,
               ops_policy="paged_attention=reference.torch;rotary_paged_attention=reference.torch")
-    with caplog.at_level(logging.WARNING, logger="turnout.engine.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="turnout.worker.cuda_graphs"):
         llm = _llm(_tiny_dir(tmp_path), **kw)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and not graphs.enabled and graphs.disabled_reason

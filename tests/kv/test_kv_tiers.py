@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnout.engine.kv_transfer import LayerGatedCaches
+from turnout.worker.kv_transfer import LayerGatedCaches
 from turnout.engine.llm import LLM
 from turnout.engine.sampling_params import SamplingParams
 
@@ -63,7 +63,7 @@ def test_swap_recompute_and_ample_give_identical_tokens(cold, reference, swap, c
     assert got == reference
     _balanced(swap)
     # auto with no swap op on this platform: recompute, said why at start-up
-    with caplog.at_level("INFO", logger="turnout.engine.kv_transfer"):
+    with caplog.at_level("INFO", logger="turnout.worker.kv_transfer"):
         rec = LLM(kv_cache_memory=SMALL_KV, preemption_mode="auto", ops_policy=NO_SWAP_OPS, max_num_seqs=8)
     assert any("preemption by recompute" in r.getMessage() and "swap_blocks" in r.getMessage()
                for r in caplog.records)

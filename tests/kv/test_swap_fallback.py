@@ -1,5 +1,5 @@
 """A swap implementation that raises on its first call is replaced by the next swap op and the copy is
-redone from its untouched source (engine/kv_transfer.py): through the real engine on CPU with the
+redone from its untouched source (worker/kv_transfer.py): through the real engine on CPU with the
 embedded SmolLM2, a fake vendor whose swap ops scribble NaN into the destination blocks and then raise,
 and outputs that must equal an ample cache's (so no request is lost or corrupted).
 
@@ -77,7 +77,7 @@ def test_a_swap_op_failing_on_first_use_is_replaced(fake_vendor, reference, poli
     llm = LLM(kv_cache_memory=SMALL_KV, preemption_mode="swap", swap_space=0.05, max_num_seqs=8, ops_policy=policy)
     xfer = llm.engine.runner.kv_transfer
     assert xfer.strategy == first
-    with caplog.at_level(logging.WARNING, logger="turnout.engine.kv_transfer"):
+    with caplog.at_level(logging.WARNING, logger="turnout.worker.kv_transfer"):
         got = _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
     s = llm.engine.get_stats()
     assert s.swap_preemptions_total > 0 and s.swapped_in_blocks_total == s.swapped_out_blocks_total > 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnout.engine.kv_transfer import choose_strategy
+from turnout.worker.kv_transfer import choose_strategy
 from turnout.ops import Impl, OpUnavailableError, Policy, build_registry, resolve
 from turnout.ops.dispatch import summary_line
 from turnout.platforms import detect_platform

@@ -192,7 +192,7 @@ def test_gpu_no_host_sync_and_graph_capture(impl):
     """The experts op must not sync with the host: it is captured in CUDA graphs. The references
     (reference.torch, reference.batch_invariant) are host-synchronous by design: a loop over experts whose
     row counts the host must know (``nonzero``); a model on them fails graph capture once and runs eagerly
-    (turnout/engine/cuda_graphs.py), and on a GPU the Triton kernels rank above them in both modes."""
+    (turnout/worker/cuda_graphs.py), and on a GPU the Triton kernels rank above them in both modes."""
     fn = dict(IMPLS)[impl]
     gen = torch.Generator().manual_seed(0)
     t, h, inter, e, k = 16, 256, 128, 32, 4

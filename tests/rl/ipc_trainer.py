@@ -1,5 +1,5 @@
 """A trainer in its own process for tests/rl (spawned): perturbs the checkpoint's weights and shares them with the
-engine by handle, in buckets (turnout/engine/weight_ipc.py)."""
+engine by handle, in buckets (turnout/worker/weight_ipc.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def perturbed(path: str, seed: int):
 
 def trainer_main(path: str, seed: int, num_buckets: int, conn, device: str = "cpu") -> None:
     """``device`` "cuda": the buffers are on the GPU and the handles CUDA IPC ones."""
-    from turnout.engine.weight_ipc import make_bucket
+    from turnout.worker.weight_ipc import make_bucket
 
     named = list(perturbed(path, seed).to(device).named_parameters())
     size = -(-len(named) // num_buckets)

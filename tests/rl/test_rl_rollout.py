@@ -449,7 +449,7 @@ def free_port() -> int:
 
 def test_update_weights_from_distributed_broadcast(dense):
     """The trainer (rank 0 of its own gloo group, in a thread here) broadcasts; the engine receives and writes."""
-    from turnout.engine.weight_broadcast import broadcast_weights, stateless_group
+    from turnout.worker.weight_broadcast import broadcast_weights, stateless_group
 
     _, path = dense
     hf = _fresh_hf(path)
@@ -513,7 +513,7 @@ def test_update_weights_from_ipc_buckets_from_another_process(dense):
         proc.join(30)
     assert proc.exitcode == 0
     _check_matches_hf(llm, perturbed(path, 11))
-    from turnout.engine.weight_ipc import make_bucket
+    from turnout.worker.weight_ipc import make_bucket
 
     _, bad = make_bucket([("model.norm.weight", torch.zeros(63))])
     with pytest.raises(ValueError, match=r"model\.norm\.weight"):

@@ -9,7 +9,7 @@ sequences in a cache that had room for more), and a fixed larger number would pr
 Counting at max_model_len (not a typical length) means the sequences admitted can all grow to their limit
 without preempting each other; 256 below keeps the old default where the cache is small (sequences then wait
 for blocks, as before), and 1024 above bounds the step's batch, the sampler's rows and the graphs captured
-(turnout/engine/cuda_graphs.py). An explicit ``max_num_seqs`` is always used as given.
+(turnout/worker/cuda_graphs.py). An explicit ``max_num_seqs`` is always used as given.
 """
 
 from __future__ import annotations

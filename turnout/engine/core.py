@@ -53,7 +53,7 @@ class EngineStats:
     prefix_cache_hit_tokens_total: int = 0
     lookahead_steps_total: int = 0  # decode steps launched before the last one's tokens were read back
     num_failed_requests_total: int = 0  # requests failed by a fault traced to them (the engine went on)
-    # KV tiers (engine/kv_transfer.py, kv/tiers.py)
+    # KV tiers (worker/kv_transfer.py, kv/tiers.py)
     num_swapped: int = 0  # sequences waiting in host memory to be swapped back in
     swap_preemptions_total: int = 0
     recompute_preemptions_total: int = 0

@@ -161,14 +161,14 @@ class LLM:
         return self.engine.init_weight_update_group(master_address, master_port, rank_offset, world_size, backend)
 
     def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
-        """Receive tensors the trainer broadcasts (``turnout.engine.weight_broadcast.broadcast_weights``), in
+        """Receive tensors the trainer broadcasts (``turnout.worker.weight_broadcast.broadcast_weights``), in
         the order of ``names``, and write them as update_weights does."""
         self._gate.check_quiet("update_weights_from_distributed")
         return self.engine.update_weights_from_distributed(names, dtypes, shapes)
 
     def update_weights_from_ipc(self, buckets) -> list[str]:
         """Tensors another process shares by handle (CUDA IPC on a GPU, shared memory on the host), in buckets
-        made by ``turnout.engine.weight_ipc.make_bucket``: one per engine rank, or one in a world of one."""
+        made by ``turnout.worker.weight_ipc.make_bucket``: one per engine rank, or one in a world of one."""
         self._gate.check_quiet("update_weights_from_ipc")
         return self.engine.update_weights_from_ipc(buckets)
 

@@ -77,7 +77,7 @@ class LLMEngine:
         self.runner = self.executor.runner  # rank 0's ModelRunner: the core drives it
         # max_num_seqs=None: the runner chose it when it sized the cache (turnout/engine/concurrency.py)
         self.config = config = dataclasses.replace(config, max_num_seqs=self.runner.max_num_seqs)
-        xfer = self.runner.kv_transfer  # the KV tiers' host pools and preemption mode (engine/kv_transfer.py)
+        xfer = self.runner.kv_transfer  # the KV tiers' host pools and preemption mode (worker/kv_transfer.py)
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
                                           swap_blocks=xfer.num_swap_blocks, offload_blocks=xfer.num_offload_blocks)
         scheduler = Scheduler(self.block_manager, config.max_num_seqs, max(config.max_num_batched_tokens, 1),

@@ -143,8 +143,8 @@ class OutputProcessor:
         return outputs, ended, failed
 
     def _take_side_output(self, state: RequestState, side) -> None:
-        """A prompt logprob chunk (turnout/engine/prompt_logprobs.py) or a routed-experts chunk
-        (turnout/engine/routed_experts.py): its positions written in place, so a prompt recomputed after a
+        """A prompt logprob chunk (turnout/worker/prompt_logprobs.py) or a routed-experts chunk
+        (turnout/worker/routed_experts.py): its positions written in place, so a prompt recomputed after a
         preemption writes the same values again."""
         if side.kind == "routed_experts":
             if state.routed_prompt is None:

@@ -25,7 +25,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # return_routed_experts: int32 [num_prompt_tokens + len(token_ids) - 1, num_moe_layers, top_k] (numpy), the
-    # experts chosen for every token the model read (turnout/engine/routed_experts.py); on finished outputs
+    # experts chosen for every token the model read (turnout/worker/routed_experts.py); on finished outputs
     routed_experts: object | None = None
 
     def finished(self) -> bool:

@@ -1,7 +1,7 @@
 """The engine's side of the RL control plane (docs/architecture.md, "RL rollout"): sleep / wake, weight
 updates, pause / abort / resume, prefix-cache resets, and the token-in / token-out output an RL loop reads.
 
-The work on tensors happens on every rank (turnout/engine/rank_memory.py), reached through the executor's
+The work on tensors happens on every rank (turnout/worker/rank_memory.py), reached through the executor's
 ``collective_rpc``; what is decided here is what the scheduler may do meanwhile.
 
 - Sleeping needs an idle engine (no unfinished request): the KV cache goes, so nothing may hold blocks. While
@@ -23,7 +23,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from turnout.engine import rank_memory
+from turnout.worker import rank_memory
 from turnout.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -154,9 +154,9 @@ class RolloutControl:
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                  backend: str = "gloo") -> list[int]:
-        """Every engine rank joins the trainer's broadcast group (turnout/engine/weight_broadcast.py) as
+        """Every engine rank joins the trainer's broadcast group (turnout/worker/weight_broadcast.py) as
         ``rank_offset + its rank``; blocks until the trainer (rank 0, hosting the store) has joined too."""
-        from turnout.engine.weight_broadcast import BACKENDS
+        from turnout.worker.weight_broadcast import BACKENDS
 
         if backend not in BACKENDS:
             raise ValueError(f"backend: one of {list(BACKENDS)}, got {backend!r}")
@@ -170,7 +170,7 @@ class RolloutControl:
     def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
         """Receive the announced tensors (in this order) from the trainer's broadcasts, then write them: as
         ``update_weights``, the names and shapes checked before any rank receives."""
-        from turnout.engine.weight_broadcast import meta_weights
+        from turnout.worker.weight_broadcast import meta_weights
 
         if self.weights_asleep:
             raise RuntimeError("update_weights_from_distributed: the weights are asleep (sleep() was called); "
@@ -182,10 +182,10 @@ class RolloutControl:
         return written
 
     def update_weights_from_ipc(self, buckets) -> list[str]:
-        """Tensors shared by handle from another process (turnout/engine/weight_ipc.py): one ``IPCBucket`` per
+        """Tensors shared by handle from another process (turnout/worker/weight_ipc.py): one ``IPCBucket`` per
         engine rank (or one bucket in a world of one). Checked on the driver before any rank maps its bucket."""
-        from turnout.engine.weight_broadcast import meta_weights
-        from turnout.engine.weight_ipc import IPCBucket, check_bucket
+        from turnout.worker.weight_broadcast import meta_weights
+        from turnout.worker.weight_ipc import IPCBucket, check_bucket
 
         if self.weights_asleep:
             raise RuntimeError("update_weights_from_ipc: the weights are asleep (sleep() was called); "

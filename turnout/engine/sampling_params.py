@@ -83,7 +83,7 @@ class SamplingParams:
     # (RequestOutput.prompt_logprobs; None at position 0). Such a request bypasses the prefix cache.
     prompt_logprobs: int | None = None
     # MoE models: CompletionOutput.routed_experts, the expert ids select_experts chose in every MoE layer
-    # for every token the model read (turnout/engine/routed_experts.py). Bypasses the prefix cache too.
+    # for every token the model read (turnout/worker/routed_experts.py). Bypasses the prefix cache too.
     return_routed_experts: bool = False
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 

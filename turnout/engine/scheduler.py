@@ -95,7 +95,7 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class Preemption:
     """How to preempt: ``mode`` "recompute" | "swap" | "auto". For auto, the measured costs (the runner's
-    start-up measurement, turnout/engine/kv_transfer.py): swapping a sequence costs its blocks out and
+    start-up measurement, turnout/worker/kv_transfer.py): swapping a sequence costs its blocks out and
     back in, ``2 * blocks * block_bytes / copy_bytes_per_s``; recomputing it costs
     ``num_computed_tokens / prefill_tokens_per_s``."""
 

@@ -1,5 +1,5 @@
 """The host tier of the KV cache: which host blocks hold what. Plain Python, no torch (the runner's
-turnout/engine/kv_transfer.py owns the host tensors and moves the bytes).
+turnout/worker/kv_transfer.py owns the host tensors and moves the bytes).
 
 Host block ids index one host cache per layer (k and v, ``[num_host_blocks, block_size, Hk, D]``, pinned on
 GPUs). They are split in two regions:

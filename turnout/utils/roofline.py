@@ -150,7 +150,7 @@ def model_geometry(model, hf_config, kv_dtype: torch.dtype) -> ModelGeometry:
     """Classify a model's parameters by name: embedding, lm_head, routed experts, the rest.
 
     Tied embeddings (one tensor) count as the lm_head: every step reads all of it there."""
-    from turnout.engine.kv_sizing import kv_geometry
+    from turnout.worker.kv_sizing import kv_geometry
 
     groups = {"embed": [0, 0], "lm_head": [0, 0], "experts": [0, 0], "body": [0, 0]}
     seen = set()

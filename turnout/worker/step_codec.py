@@ -12,7 +12,7 @@ import torch
 from turnout.layers.attention import AttentionMetadata
 
 STEP, COPY, RPC, QUIT = b"S", b"C", b"R", b"Q"
-SWAP_OUT, SWAP_IN = b"O", b"I"  # KV tier copies (engine/kv_transfer.py): (device, host) / (host, device) pairs
+SWAP_OUT, SWAP_IN = b"O", b"I"  # KV tier copies (worker/kv_transfer.py): (device, host) / (host, device) pairs
 _PAD = 8  # the kind byte is padded to 8 so that the int64 payload is aligned
 _HEADER = 8  # n_tokens, n_seqs, max_blocks, n_sample, max_query_len, max_seq_len, has_lanes, pending
 

@@ -1,8 +1,7 @@
 """One rank of the engine: its device, its model shard, its KV cache shard (the model runner's), and, in a
 tensor-parallel engine, its place in the process group.
 
-``Worker`` wraps the existing ``turnout.engine.model_runner.ModelRunner`` (which should move here, under
-``worker/``, once the engine no longer builds it itself: today the worker imports it from the engine package).
+``Worker`` wraps this rank's ``turnout.worker.model_runner.ModelRunner`` (batch -> tensors -> model -> sampler).
 In-process (the uniproc executor, and rank 0 of the mp executor) the engine drives the runner directly; in
 a spawned process ``serve`` runs the loop the mp executor drives: each step's flat inputs in
 (turnout/worker/step_codec.py), this rank's forward with its share of the collectives, nothing back (only
@@ -18,7 +17,7 @@ import traceback
 
 import torch
 
-from turnout.engine.kv_transfer import LayerGatedCaches
+from turnout.worker.kv_transfer import LayerGatedCaches
 from turnout.worker import step_codec
 
 logger = logging.getLogger(__name__)
@@ -81,7 +80,7 @@ class Worker:
 
     def build_runner(self, step_publisher=None):
         """``step_publisher``: on the driver rank of several, what sends each step's inputs to the others."""
-        from turnout.engine.model_runner import ModelRunner
+        from turnout.worker.model_runner import ModelRunner
 
         self.runner = ModelRunner(self.config, self.platform, self.ops, self.loaded, step_publisher=step_publisher)
         return self.runner
@@ -141,7 +140,7 @@ class Worker:
 
     def swap(self, msg: bytes) -> None:
         """The driver's swap-outs (run now, in line) or swap-ins (a gate the next step's forward passes layer
-        by layer), on this rank's shard of the blocks (turnout/engine/kv_transfer.py)."""
+        by layer), on this rank's shard of the blocks (turnout/worker/kv_transfer.py)."""
         pairs = step_codec.decode_copy(msg)
         if step_codec.kind_of(msg) == step_codec.SWAP_OUT:
             self.runner.kv_transfer.swap_out(pairs)

@@ -63,7 +63,7 @@ class _EngineCollector:
         yield ops
 
 
-# (name, help, EngineStats field) of the KV tiers (engine/kv_transfer.py, kv/tiers.py)
+# (name, help, EngineStats field) of the KV tiers (worker/kv_transfer.py, kv/tiers.py)
 _TIER_COUNTERS = (
     ("turnout_swap_preemptions", "Preemptions by swapping the sequence's blocks to host memory.", "swap_preemptions_total"),
     ("turnout_recompute_preemptions", "Preemptions by dropping the blocks (recomputed later).",

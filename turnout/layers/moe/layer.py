@@ -110,7 +110,7 @@ class SparseMoeBlock(nn.Module):
         self.routing = routing
         self.gate = Router(hidden_size, routing, logits_fp32=router_logits_fp32, ops=ops, plan=plan)
         # a list the model runner hands every block for one forward whose routing a request returns
-        # (turnout/engine/routed_experts.py); None otherwise, so other steps record nothing
+        # (turnout/worker/routed_experts.py); None otherwise, so other steps record nothing
         self.record_routing: list | None = None
         expert_dim = latent_size or hidden_size
         self.latent = latent_size is not None and latent_size != hidden_size

@@ -1,6 +1,6 @@
 """Per-layer KV swap ops: the copies between the device cache and the host tier (turnout/kv/tiers.py).
 
-Three levels, tried in this order by the engine (turnout/engine/kv_transfer.py), each an op of its own so
+Three levels, tried in this order by the engine (turnout/worker/kv_transfer.py), each an op of its own so
 that a platform missing one keeps the others (seed 000: one missing vendor op disabled a whole module):
 
 - ``swap_layer_async``: one layer's k and v blocks copied on a side stream; returns the event recorded

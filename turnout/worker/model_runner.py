@@ -8,12 +8,12 @@ import logging
 import torch
 
 from turnout.engine.concurrency import default_max_num_seqs
-from turnout.engine.cuda_graphs import maybe_capture
-from turnout.engine.kv_sizing import kv_dtype, kv_geometry, plan_kv_blocks
-from turnout.engine.kv_transfer import KVTransfer, LayerGatedCaches
-from turnout.engine.prompt_logprobs import compute_chunks, merge_rows, prompt_rows
-from turnout.engine.rank_memory import RankMemory
-from turnout.engine.routed_experts import RoutingRecorder
+from turnout.worker.cuda_graphs import maybe_capture
+from turnout.worker.kv_sizing import kv_dtype, kv_geometry, plan_kv_blocks
+from turnout.worker.kv_transfer import KVTransfer, LayerGatedCaches
+from turnout.worker.prompt_logprobs import compute_chunks, merge_rows, prompt_rows
+from turnout.worker.rank_memory import RankMemory
+from turnout.worker.routed_experts import RoutingRecorder
 from turnout.layers.attention import AttentionMetadata
 from turnout.engine.sequence import SequenceFaults
 from turnout.layers.sampler import SamplerOutput, SamplingBatch, sample
@@ -73,7 +73,7 @@ class ModelRunner:
         self.memory = RankMemory(self)
         self.grammar_stage = None  # made by _grammar_stage() when a grammar lane first samples
         self._side_outputs: list = []  # per-request results of launched steps besides tokens (take_side_outputs)
-        self.routing = RoutingRecorder(self.model)  # return_routed_experts (turnout/engine/routed_experts.py)
+        self.routing = RoutingRecorder(self.model)  # return_routed_experts (turnout/worker/routed_experts.py)
 
     @property
     def pdl(self) -> bool:
@@ -313,8 +313,8 @@ class ModelRunner:
 
     def take_side_outputs(self) -> list:
         """What the steps launched since the last call computed for particular requests besides their
-        tokens (prompt logprob chunks, turnout/engine/prompt_logprobs.py; routed experts,
-        turnout/engine/routed_experts.py), each with ``request_id`` and ``kind``;
+        tokens (prompt logprob chunks, turnout/worker/prompt_logprobs.py; routed experts,
+        turnout/worker/routed_experts.py), each with ``request_id`` and ``kind``;
         the core hands them to the output processor."""
         out, self._side_outputs = self._side_outputs, []
         return out

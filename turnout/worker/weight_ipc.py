@@ -59,7 +59,7 @@ def make_bucket(named_tensors) -> tuple[torch.Tensor, IPCBucket]:
 
 def check_bucket(bucket) -> None:
     if not isinstance(bucket, IPCBucket):
-        raise ValueError(f"buckets: each an IPCBucket (turnout.engine.weight_ipc.make_bucket), got "
+        raise ValueError(f"buckets: each an IPCBucket (turnout.worker.weight_ipc.make_bucket), got "
                          f"{type(bucket).__name__}")
     n = len(bucket.names)
     if not (len(bucket.dtypes) == len(bucket.shapes) == len(bucket.offsets) == n):
@@ -68,7 +68,7 @@ def check_bucket(bucket) -> None:
 
 def open_bucket(bucket: IPCBucket, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """The engine rank's side: (name, view into the shared buffer) for every tensor of the bucket."""
-    from turnout.engine.weight_broadcast import parse_dtype
+    from turnout.worker.weight_broadcast import parse_dtype
 
     rebuild, args = bucket.handle
     buffer = rebuild(*args)

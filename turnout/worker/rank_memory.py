@@ -69,7 +69,7 @@ class RankMemory:
         self.kv_asleep = False
         self.weights_discarded = False  # woken from sleep(2): values undefined until an update writes them
         self._saved: dict[str, _Saved] = {}
-        self.weight_group = None  # the trainer's broadcast group (turnout/engine/weight_broadcast.py), once joined
+        self.weight_group = None  # the trainer's broadcast group (turnout/worker/weight_broadcast.py), once joined
 
     @property
     def is_sleeping(self) -> bool:
@@ -162,7 +162,7 @@ class RankMemory:
                             torch.zeros(shape, dtype=r.kv_dtype, device=r.device)) for _ in range(r.num_layers)]
             self.kv_asleep = False
         if not self.is_sleeping and r.graphs is None:
-            from turnout.engine.cuda_graphs import maybe_capture
+            from turnout.worker.cuda_graphs import maybe_capture
 
             if r.device.type == "cuda":
                 torch.cuda.synchronize(r.device)
@@ -256,7 +256,7 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 def init_weight_update_group_rank(worker, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, backend: str = "gloo") -> int:
     """Join the trainer's broadcast group as ``rank_offset + worker.rank``; returns that rank."""
-    from turnout.engine.weight_broadcast import stateless_group
+    from turnout.worker.weight_broadcast import stateless_group
 
     mem = worker.runner.memory
     rank = rank_offset + worker.rank
@@ -268,7 +268,7 @@ def init_weight_update_group_rank(worker, master_address: str, master_port: int,
 def update_weights_from_distributed_rank(worker, names, dtypes, shapes) -> list[str]:
     """Receive each announced tensor from the trainer (rank 0 of the group), then write them all; the engine
     checked the names and shapes against the model before any rank received."""
-    from turnout.engine.weight_broadcast import broadcast, meta_weights
+    from turnout.worker.weight_broadcast import broadcast, meta_weights
     from turnout.models.weight_map import update_weights
 
     mem, r = worker.runner.memory, worker.runner
@@ -289,7 +289,7 @@ def update_weights_from_distributed_rank(worker, names, dtypes, shapes) -> list[
 
 def update_weights_from_ipc_rank(worker, buckets) -> list[str]:
     """Map this rank's bucket (``buckets[worker.rank]``), write its tensors, then let go of the mapping."""
-    from turnout.engine.weight_ipc import open_bucket
+    from turnout.worker.weight_ipc import open_bucket
     from turnout.models.weight_map import update_weights
 
     r = worker.runner
