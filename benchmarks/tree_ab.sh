@@ -21,6 +21,7 @@ o, t = sys.argv[1], sys.argv[2]
 r = {f.split("/")[-1]: json.load(open(f)) for f in sorted(glob.glob(f"{o}/ab_{t}_*.json"))}
 toks = {k: (v["batch4"], v["batch1"]) for k, v in r.items()}
 print(t, "greedy identical across trees and runs:", len({json.dumps(v) for v in toks.values()}) == 1, "runs:", len(r))
-print(t, {k: v["best_ms"] for k, v in r.items()})
+print(t, "batch 1 ms/step", {k: v["best_ms"] for k, v in r.items()})
+print(t, "batch 64 ms/step", {k: v.get("best_ms_b64") for k, v in r.items()})
 PY
 done
