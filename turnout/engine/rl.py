@@ -18,7 +18,9 @@ The work on tensors happens on every rank (turnout/worker/rank_memory.py), reach
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -134,7 +136,9 @@ class RolloutControl:
 
     def update_weights_from_disk(self, path: str) -> list[str]:
         """Every tensor of a safetensors checkpoint directory (HF names; a subset of the model's is fine).
-        Names, shapes and dtypes are checked from the files' headers on the driver rank; then each rank
+        Only files inside ``path`` are read (an index naming ``../`` or an absolute path is refused). Every
+        file is checked before any rank writes: its size and header, then each tensor's name, shape and
+        dtype against the model; a ValueError names ``path``, the file and the tensor. Then each rank
         streams the files itself."""
         from turnout.loader.safetensors import safetensors_files
 
@@ -145,39 +149,70 @@ class RolloutControl:
             raise ValueError(f"path: a checkpoint directory, got {path!r}")
         try:
             files = safetensors_files(path)
-        except ValueError as e:  # the directory holds no checkpoint
+        except ValueError as e:  # no checkpoint there, a malformed index, a shard outside the directory
             raise ValueError(f"path: {e}") from None
-        self.engine.runner.memory.check_weights(rank_memory.checkpoint_headers(files))
+        except OSError as e:  # unreadable (permissions, a directory where the index should be, ...)
+            raise ValueError(f"path: {e.filename or path}: {e.strerror or e}") from None
+        for f in files:
+            try:
+                self.engine.runner.memory.check_weights(_checked_headers(f))
+            except ValueError as e:
+                msg = str(e)
+                raise ValueError(msg if msg.startswith("path: ") else f"path: {f}: {msg}") from None
         written = self._rpc(rank_memory.update_weights_from_disk_rank, [str(f) for f in files])[0]
         self.reset_prefix_cache()
         return written
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                 backend: str = "gloo") -> list[int]:
+                                 backend: str = "gloo", timeout: float | None = None) -> list[int]:
         """Every engine rank joins the trainer's broadcast group (turnout/worker/weight_broadcast.py) as
-        ``rank_offset + its rank``; blocks until the trainer (rank 0, hosting the store) has joined too."""
-        from turnout.worker.weight_broadcast import BACKENDS
+        ``rank_offset + its rank``; waits until the trainer (rank 0, hosting the store) has joined too, at most
+        ``timeout`` seconds (default ``DEFAULT_TIMEOUT_S``), then TimeoutError with nothing joined."""
+        deadline = self.wait_for_trainer(master_address, master_port, rank_offset, world_size, backend, timeout)
+        return self.join_weight_update_group(master_address, master_port, rank_offset, world_size, backend, deadline)
+
+    def wait_for_trainer(self, master_address, master_port, rank_offset, world_size, backend="gloo",
+                         timeout=None) -> float:
+        """The arguments checked, then wait (any thread: it touches no engine state) until the trainer's store
+        accepts connections. Returns the deadline (``time.monotonic()``) the join must keep."""
+        from turnout.worker.weight_broadcast import BACKENDS, DEFAULT_TIMEOUT_S, wait_for_listener
 
         if backend not in BACKENDS:
             raise ValueError(f"backend: one of {list(BACKENDS)}, got {backend!r}")
+        if not isinstance(master_address, str) or not master_address:
+            raise ValueError(f"master_address: a host name or address, got {master_address!r}")
+        if not (isinstance(master_port, int) and 0 < master_port < 65536):
+            raise ValueError(f"master_port: must be in [1, 65535], got {master_port!r}")
         n = self.engine.executor.world_size
         if not (isinstance(rank_offset, int) and rank_offset >= 1 and rank_offset + n <= world_size):
             raise ValueError(f"rank_offset: engine ranks {rank_offset}..{rank_offset + n - 1} must lie in "
                              f"[1, world_size={world_size}) (the trainer is rank 0)")
-        return self._rpc(rank_memory.init_weight_update_group_rank, master_address, int(master_port), rank_offset,
-                         world_size, backend)
+        timeout = _check_timeout(timeout, DEFAULT_TIMEOUT_S)
+        deadline = time.monotonic() + timeout
+        wait_for_listener(master_address, master_port, timeout)
+        return deadline
 
-    def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
+    def join_weight_update_group(self, master_address, master_port, rank_offset, world_size, backend,
+                                 deadline: float) -> list[int]:
+        """The ranks' half (the engine's thread): build the group within what is left of ``deadline``."""
+        left = max(deadline - time.monotonic(), 1.0)  # the store answered: a rendezvous takes milliseconds
+        return self._rpc(rank_memory.init_weight_update_group_rank, master_address, int(master_port), rank_offset,
+                         world_size, backend, left)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, timeout: float | None = None) -> list[str]:
         """Receive the announced tensors (in this order) from the trainer's broadcasts, then write them: as
-        ``update_weights``, the names and shapes checked before any rank receives."""
-        from turnout.worker.weight_broadcast import meta_weights
+        ``update_weights``, the names and shapes checked before any rank receives. Each tensor must arrive
+        within ``timeout`` seconds (default ``DEFAULT_TIMEOUT_S``), else TimeoutError, nothing written and the
+        group dropped (``init_weight_update_group`` again)."""
+        from turnout.worker.weight_broadcast import DEFAULT_TIMEOUT_S, meta_weights
 
         if self.weights_asleep:
             raise RuntimeError("update_weights_from_distributed: the weights are asleep (sleep() was called); "
                                "wake_up(tags=['weights']) first")
+        timeout = _check_timeout(timeout, DEFAULT_TIMEOUT_S)
         self.engine.runner.memory.check_weights(meta_weights(names, dtypes, shapes))
         written = self._rpc(rank_memory.update_weights_from_distributed_rank, list(names),
-                            [str(d) for d in dtypes], [tuple(int(x) for x in s) for s in shapes])[0]
+                            [str(d) for d in dtypes], [tuple(int(x) for x in s) for s in shapes], timeout)[0]
         self.reset_prefix_cache()
         return written
 
@@ -239,6 +274,28 @@ class RolloutControl:
 
     def resume_generation(self) -> None:
         self.paused = None
+
+
+def _checked_headers(file) -> list:
+    """One checkpoint file's tensors as meta tensors, the file checked whole first (size against its header:
+    nothing can fail half-way through a write later); every error a ValueError naming ``path`` and the file."""
+    from turnout.loader.checks import check_safetensors
+
+    try:
+        check_safetensors(file)
+        return rank_memory.checkpoint_headers([file])
+    except ValueError as e:
+        raise ValueError(f"path: {e}") from None
+    except Exception as e:  # noqa: BLE001 - OSError, the safetensors reader's own errors: the file is bad
+        raise ValueError(f"path: {file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def _check_timeout(timeout, default: float) -> float:
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
+        raise ValueError(f"timeout: seconds > 0, got {timeout!r}")
+    return float(timeout)
 
 
 class GenerationGate:

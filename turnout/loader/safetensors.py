@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 import torch
@@ -15,13 +15,13 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     """The checkpoint files of an HF model directory, in a stable order.
 
     ``model.safetensors.index.json`` (sharded) wins; then ``model.safetensors``; then any
-    ``*.safetensors``. Raises ValueError when there are none or the index names a missing shard.
+    ``*.safetensors``. Raises ValueError naming the file when there are none, the index is not the JSON
+    an index is, or it names a missing shard or a path outside the directory.
     """
     d = Path(model_dir)
     index = d / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
-        files = [d / f for f in sorted(set(weight_map.values()))]
+        files = [d / f for f in _index_shards(index)]
         missing = [str(f.name) for f in files if not f.is_file()]
         if missing:
             raise ValueError(f"{index} names shard(s) that are not there: {', '.join(missing)}")
@@ -36,6 +36,25 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
                 f"safetensors)" if others else "")
         raise ValueError(f"no *.safetensors checkpoint in {d}{hint}")
     return files
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard file names an index maps tensors to, each a plain relative path inside the index's
+    directory. The check is on the names as written, not on resolved paths: a shard that is a symlink
+    out of the directory (the Hugging Face cache's snapshots point into its blobs/) is the directory
+    owner's choice, while ``../`` or an absolute path in a file that came with the checkpoint is not."""
+    try:
+        weight_map = json.loads(index.read_bytes()).get("weight_map") or {}
+    except (ValueError, AttributeError) as e:  # not JSON, not UTF-8, or not an object
+        raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: weight_map must map tensor names to shard files")
+    for name, shard in weight_map.items():
+        parts = PurePosixPath(shard).parts if isinstance(shard, str) else ()
+        if not parts or shard.startswith("/") or "\\" in shard or ".." in parts or ":" in parts[0]:
+            raise ValueError(f"{index}: tensor {name!r} is mapped to {shard!r}, which is not a file inside "
+                             f"the checkpoint directory")
+    return sorted(set(weight_map.values()))
 
 
 def iter_safetensors(files: list[Path], device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:

@@ -254,20 +254,22 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 
 
 def init_weight_update_group_rank(worker, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, backend: str = "gloo") -> int:
-    """Join the trainer's broadcast group as ``rank_offset + worker.rank``; returns that rank."""
+                                  world_size: int, backend: str = "gloo", timeout_s: float | None = None) -> int:
+    """Join the trainer's broadcast group as ``rank_offset + worker.rank`` within ``timeout_s``; returns that rank."""
     from turnout.worker.weight_broadcast import stateless_group
 
     mem = worker.runner.memory
     rank = rank_offset + worker.rank
     mem.weight_group = stateless_group(master_address, master_port, rank, world_size, backend,
-                                       device=worker.runner.device if backend == "nccl" else None)
+                                       device=worker.runner.device if backend == "nccl" else None,
+                                       timeout_s=timeout_s)
     return rank
 
 
-def update_weights_from_distributed_rank(worker, names, dtypes, shapes) -> list[str]:
-    """Receive each announced tensor from the trainer (rank 0 of the group), then write them all; the engine
-    checked the names and shapes against the model before any rank received."""
+def update_weights_from_distributed_rank(worker, names, dtypes, shapes, timeout_s: float | None = None) -> list[str]:
+    """Receive each announced tensor from the trainer (rank 0 of the group; each within ``timeout_s``), then
+    write them all; the engine checked the names and shapes against the model before any rank received.
+    A broadcast that fails drops the group (it cannot be trusted to be in step) and writes nothing."""
     from turnout.worker.weight_broadcast import broadcast, meta_weights
     from turnout.models.weight_map import update_weights
 
@@ -276,10 +278,14 @@ def update_weights_from_distributed_rank(worker, names, dtypes, shapes) -> list[
         raise RuntimeError("update_weights_from_distributed: init_weight_update_group() first")
     dev = r.device if mem.weight_group.backend == "nccl" else torch.device("cpu")  # gloo receives on the host
     items = []
-    for name, meta in meta_weights(names, dtypes, shapes):
-        buf = torch.empty(meta.shape, dtype=meta.dtype, device=dev)
-        broadcast(mem.weight_group, buf)
-        items.append((name, buf))
+    try:
+        for name, meta in meta_weights(names, dtypes, shapes):
+            buf = torch.empty(meta.shape, dtype=meta.dtype, device=dev)
+            broadcast(mem.weight_group, buf, timeout_s)
+            items.append((name, buf))
+    except TimeoutError:
+        mem.weight_group = None
+        raise
     written = update_weights(r.model, items, checked=True)
     mem.weights_discarded = False
     if r.device.type == "cuda":

@@ -8,7 +8,7 @@ Two layers, each where its information is:
   abandoned after ``write_timeout`` seconds of a full send buffer; connections beyond ``max_connections``
   are refused at once. A stalled or refused connection gets an OpenAI-shaped 408 / 503 where no response
   has started on it, then it is closed; an aborted connection is a disconnect to the app (its request is
-  aborted within a step).
+  aborted within a step). A request h11 cannot parse gets a JSON 400 too, not uvicorn's plain text.
 * ``RequestGuard`` (pure ASGI): duplicate ``Authorization`` headers (400), the API key on /v1/* and
   ``KEYED_PATHS`` (401), too many header fields (431), a POST whose Content-Type is not JSON (415: a
   browser's cross-origin "simple" POST, text/plain or a form, must not start a generation), the body size
@@ -28,7 +28,9 @@ logger = logging.getLogger("turnout.serve")
 
 _DRAIN_FACTOR = 16  # bodies up to 16x the limit are read away before the 413; larger ones are cut off
 _JSON = b"application/json"
-KEYED_PATHS = frozenset({"/ops"}) | RL_PATHS  # data endpoints outside /v1 that need the API key too (web.py's op table)
+# Data endpoints outside /v1 that need the API key too: web.py's op table, the tokenizer (it runs chat
+# templates and tool schemas on a thread every keyed request shares), the API description (--enable-docs).
+KEYED_PATHS = frozenset({"/ops", "/tokenize", "/detokenize", "/openapi.json"}) | RL_PATHS
 
 
 def _error_body(message: str, type: str, code: str) -> bytes:
@@ -125,6 +127,13 @@ def guarded_h11_protocol(header_timeout: float, body_timeout: float, write_timeo
             self._write_timer = None
             logger.info("client %s read nothing for %gs: closing its connection", self.client, write_timeout)
             self.transport.abort()  # connection_lost: the app sees a disconnect and aborts the request
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's own answer to a request h11 cannot parse (a bad request line, a malformed header, a
+            # header block over --h11-max-incomplete-event-size) is text/plain; OpenAI clients parse JSON
+            self._respond_and_close(400, "Bad Request", f"{msg} The request line or headers are not valid "
+                                    "HTTP/1.1 (or exceed --h11-max-incomplete-event-size).",
+                                    "invalid_request_error", "invalid_http_request")
 
         def _respond_and_close(self, status: int, reason: str, message: str, type: str, code: str,
                                retry_after: bool = False) -> None:
