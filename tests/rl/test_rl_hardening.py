@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
@@ -124,7 +123,6 @@ def _broken_checkpoints(base: Path, root: Path):
     yield d, ["model.safetensors", "truncated"]
 
     d = _variant(base, root, "header_not_json")
-    _, hdata = src.read_bytes()[:8], src.read_bytes()
     (d / "model.safetensors").write_bytes(struct.pack("<Q", 4) + b"\xff\xfe{[" + b"\0" * 16)
     yield d, ["model.safetensors"]
 

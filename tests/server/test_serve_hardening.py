@@ -136,7 +136,7 @@ def test_empty_api_key_is_a_startup_error():
 
 
 def test_rl_endpoints_without_key_warn_loudly():
-    code, out = _serve_cli("--enable-rl-endpoints", wait_for="--enable-rl-endpoints without --api-key")
+    _, out = _serve_cli("--enable-rl-endpoints", wait_for="--enable-rl-endpoints without --api-key")
     assert "WARNING" in out and "--enable-rl-endpoints without --api-key" in out, out
 
 

@@ -9,7 +9,8 @@ from typing import Sequence as Seq
 from turnout.config import EngineConfig
 from turnout.engine.llm_engine import LLMEngine
 from turnout.engine.outputs import RequestOutput
-from turnout.engine.rl import GenerationGate, TokenOutput
+from turnout.engine.generation_gate import GenerationGate
+from turnout.engine.rl import TokenOutput
 from turnout.engine.sampling_params import SamplingParams
 
 
@@ -47,7 +48,7 @@ class LLM:
                                    kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
-        self._gate = GenerationGate(self.engine)  # pause / abort from another thread (turnout/engine/rl.py)
+        self._gate = GenerationGate(self.engine)  # pause / abort from another thread (generation_gate.py)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

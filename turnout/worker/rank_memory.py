@@ -233,26 +233,6 @@ def update_weights_from_disk_rank(worker, files: list[str]) -> list[str]:
     return sorted(written)
 
 
-def checkpoint_headers(files: list[Path]) -> list[tuple[str, torch.Tensor]]:
-    """(name, meta tensor of the stored shape and dtype) for every tensor of the files, from their headers
-    only (no tensor data read)."""
-    from safetensors import safe_open
-
-    out = []
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                dtype = _ST_DTYPES.get(sl.get_dtype(), torch.uint8)  # unknown: an integer, refused by the check
-                out.append((name, torch.empty(sl.get_shape(), dtype=dtype, device="meta")))
-    return out
-
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
 def init_weight_update_group_rank(worker, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, backend: str = "gloo", timeout_s: float | None = None) -> int:
     """Join the trainer's broadcast group as ``rank_offset + worker.rank`` within ``timeout_s``; returns that rank."""
