@@ -120,8 +120,8 @@ def add_arguments(p) -> None:
     h.add_argument("--timeout-body", type=float, default=60.0,
                    help="seconds a request may take to send its body after the headers (else 408, closed)")
     h.add_argument("--timeout-write", type=float, default=60.0,
-                   help="seconds a client may leave a response unread with the send buffer full (else "
-                        "closed, its request aborted)")
+                   help="seconds a client may leave a response unread (no byte acknowledged) before it is "
+                        "closed and its request aborted")
     h.add_argument("--timeout-keep-alive", type=int, default=5,
                    help="seconds an idle keep-alive connection stays open")
     h.add_argument("--h11-max-incomplete-event-size", type=int, default=64 << 10,
