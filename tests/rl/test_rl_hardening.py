@@ -62,6 +62,34 @@ def test_weight_group_to_closed_port_times_out_while_generating(server):
     assert _complete(url).status_code == 200  # the engine is unharmed
 
 
+def test_broadcast_that_never_comes_times_out_and_drops_the_group(server):
+    """A trainer that joins but never sends: the update fails within its timeout, nothing is written, the
+    group is dropped (a new one must be formed) and the engine generates as before. Before: 10 minutes."""
+    from turnout.worker.weight_broadcast import stateless_group
+
+    url, _, _ = server
+    before = _complete(url, max_tokens=8).json()["choices"][0]["text"]
+    port = _closed_port()
+    box = {}
+    trainer = threading.Thread(target=lambda: box.update(
+        g=stateless_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30)))
+    trainer.start()
+    r = _post(url, "/init_weight_update_group", {"master_address": "127.0.0.1", "master_port": port,
+                                                  "rank_offset": 1, "world_size": 2, "timeout": 20})
+    trainer.join(30)
+    assert r.status_code == 200 and r.json() == {"ranks": [1]}, r.text
+    t0 = time.monotonic()
+    r = _post(url, "/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                        "shapes": [[64]], "timeout": 2})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "trainer_timeout", r.text
+    assert time.monotonic() - t0 < 15
+    r = _post(url, "/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                        "shapes": [[64]], "timeout": 2})
+    assert r.status_code == 409 and "init_weight_update_group" in r.json()["error"]["message"], r.text
+    assert not httpx.get(url + "/is_paused", headers=KEY).json()["is_paused"]
+    assert _complete(url, max_tokens=8).json()["choices"][0]["text"] == before
+
+
 def test_weight_group_timeout_is_checked(server):
     url, _, _ = server
     for bad in (0, -1, "3", True):

@@ -138,7 +138,7 @@ class RolloutControl:
         file is checked before any rank writes: its size and header, then each tensor's name, shape and
         dtype against the model; a ValueError names ``path``, the file and the tensor. Then each rank
         streams the files itself."""
-        from turnout.loader.safetensors import safetensors_files
+        from turnout.loader.safetensors import checked_headers, safetensors_files
 
         if self.weights_asleep:
             raise RuntimeError("update_weights_from_disk: the weights are asleep (sleep() was called); "
@@ -153,10 +153,9 @@ class RolloutControl:
             raise ValueError(f"path: {e.filename or path}: {e.strerror or e}") from None
         for f in files:
             try:
-                self.engine.runner.memory.check_weights(_checked_headers(f))
-            except ValueError as e:
-                msg = str(e)
-                raise ValueError(msg if msg.startswith("path: ") else f"path: {f}: {msg}") from None
+                self.engine.runner.memory.check_weights(checked_headers(f))
+            except ValueError as e:  # the file's own check names it; the model's names the tensor
+                raise ValueError(f"path: {e}" if str(f) in str(e) else f"path: {f}: {e}") from None
         written = self._rpc(rank_memory.update_weights_from_disk_rank, [str(f) for f in files])[0]
         self.reset_prefix_cache()
         return written
@@ -193,24 +192,36 @@ class RolloutControl:
     def join_weight_update_group(self, master_address, master_port, rank_offset, world_size, backend,
                                  deadline: float) -> list[int]:
         """The ranks' half (the engine's thread): build the group within what is left of ``deadline``."""
+        from turnout.worker.weight_broadcast import raise_timed_out
+
         left = max(deadline - time.monotonic(), 1.0)  # the store answered: a rendezvous takes milliseconds
-        return self._rpc(rank_memory.init_weight_update_group_rank, master_address, int(master_port), rank_offset,
-                         world_size, backend, left)
+        results = self._rpc(rank_memory.init_weight_update_group_rank, master_address, int(master_port),
+                            rank_offset, world_size, backend, left)
+        try:
+            return raise_timed_out(results)
+        except TimeoutError:
+            self.destroy_weight_update_group()  # the ranks that did join hold a group missing members
+            raise
 
     def update_weights_from_distributed(self, names, dtypes, shapes, timeout: float | None = None) -> list[str]:
         """Receive the announced tensors (in this order) from the trainer's broadcasts, then write them: as
         ``update_weights``, the names and shapes checked before any rank receives. Each tensor must arrive
         within ``timeout`` seconds (default ``DEFAULT_TIMEOUT_S``), else TimeoutError, nothing written and the
         group dropped (``init_weight_update_group`` again)."""
-        from turnout.worker.weight_broadcast import DEFAULT_TIMEOUT_S, meta_weights
+        from turnout.worker.weight_broadcast import DEFAULT_TIMEOUT_S, meta_weights, raise_timed_out
 
         if self.weights_asleep:
             raise RuntimeError("update_weights_from_distributed: the weights are asleep (sleep() was called); "
                                "wake_up(tags=['weights']) first")
         timeout = _check_timeout(timeout, DEFAULT_TIMEOUT_S)
         self.engine.runner.memory.check_weights(meta_weights(names, dtypes, shapes))
-        written = self._rpc(rank_memory.update_weights_from_distributed_rank, list(names),
-                            [str(d) for d in dtypes], [tuple(int(x) for x in s) for s in shapes], timeout)[0]
+        results = self._rpc(rank_memory.update_weights_from_distributed_rank, list(names),
+                            [str(d) for d in dtypes], [tuple(int(x) for x in s) for s in shapes], timeout)
+        try:
+            written = raise_timed_out(results)[0]
+        except TimeoutError:
+            self.destroy_weight_update_group()  # every rank's, not only those that timed out
+            raise
         self.reset_prefix_cache()
         return written
 
@@ -272,21 +283,6 @@ class RolloutControl:
 
     def resume_generation(self) -> None:
         self.paused = None
-
-
-def _checked_headers(file) -> list:
-    """One checkpoint file's tensors as meta tensors, the file checked whole first (size against its header:
-    nothing can fail half-way through a write later); every error a ValueError naming ``path`` and the file."""
-    from turnout.loader.checks import check_safetensors
-    from turnout.loader.safetensors import safetensors_headers
-
-    try:
-        check_safetensors(file)
-        return safetensors_headers(file)
-    except ValueError as e:
-        raise ValueError(f"path: {e}") from None
-    except Exception as e:  # noqa: BLE001 - OSError, the safetensors reader's own errors: the file is bad
-        raise ValueError(f"path: {file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 def _check_timeout(timeout, default: float) -> float:

@@ -82,6 +82,20 @@ def safetensors_headers(path: Path) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def checked_headers(path: Path) -> list[tuple[str, torch.Tensor]]:
+    """``safetensors_headers`` of a file checked whole first (its size against its header, loader/checks.py),
+    so that nothing can fail half-way through reading it later; every error a ValueError naming the file."""
+    from turnout.loader.checks import check_safetensors
+
+    try:
+        check_safetensors(path)
+        return safetensors_headers(path)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - OSError, the safetensors reader's own errors: the file is bad
+        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}

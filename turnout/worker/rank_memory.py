@@ -235,22 +235,25 @@ def update_weights_from_disk_rank(worker, files: list[str]) -> list[str]:
 
 def init_weight_update_group_rank(worker, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, backend: str = "gloo", timeout_s: float | None = None) -> int:
-    """Join the trainer's broadcast group as ``rank_offset + worker.rank`` within ``timeout_s``; returns that rank."""
-    from turnout.worker.weight_broadcast import stateless_group
+    """Join the trainer's group as ``rank_offset + worker.rank`` within ``timeout_s``: that rank, or TimedOut."""
+    from turnout.worker.weight_broadcast import TimedOut, stateless_group
 
     mem = worker.runner.memory
     rank = rank_offset + worker.rank
-    mem.weight_group = stateless_group(master_address, master_port, rank, world_size, backend,
-                                       device=worker.runner.device if backend == "nccl" else None,
-                                       timeout_s=timeout_s)
+    try:
+        mem.weight_group = stateless_group(master_address, master_port, rank, world_size, backend,
+                                           device=worker.runner.device if backend == "nccl" else None,
+                                           timeout_s=timeout_s)
+    except TimeoutError as e:
+        return TimedOut(str(e))
     return rank
 
 
-def update_weights_from_distributed_rank(worker, names, dtypes, shapes, timeout_s: float | None = None) -> list[str]:
+def update_weights_from_distributed_rank(worker, names, dtypes, shapes, timeout_s: float | None = None):
     """Receive each announced tensor from the trainer (rank 0 of the group; each within ``timeout_s``), then
     write them all; the engine checked the names and shapes against the model before any rank received.
-    A broadcast that fails drops the group (it cannot be trusted to be in step) and writes nothing."""
-    from turnout.worker.weight_broadcast import broadcast, meta_weights
+    A failed broadcast drops the group (it may be out of step), writes nothing and answers ``TimedOut``."""
+    from turnout.worker.weight_broadcast import TimedOut, broadcast, meta_weights
     from turnout.models.weight_map import update_weights
 
     mem, r = worker.runner.memory, worker.runner
@@ -263,9 +266,9 @@ def update_weights_from_distributed_rank(worker, names, dtypes, shapes, timeout_
             buf = torch.empty(meta.shape, dtype=meta.dtype, device=dev)
             broadcast(mem.weight_group, buf, timeout_s)
             items.append((name, buf))
-    except TimeoutError:
+    except TimeoutError as e:
         mem.weight_group = None
-        raise
+        return TimedOut(str(e))
     written = update_weights(r.model, items, checked=True)
     mem.weights_discarded = False
     if r.device.type == "cuda":

@@ -39,6 +39,22 @@ class WeightGroupTimeout(TimeoutError):
     """The trainer did not answer within the caller's timeout; nothing was joined or written."""
 
 
+@dataclass(frozen=True)
+class TimedOut:
+    """A rank's answer when its wait ran out: returned, not raised, so that a multi-process executor's
+    driver still reads every rank's reply (a raise on the driver would leave the others' in the pipes)."""
+
+    message: str
+
+
+def raise_timed_out(results: list) -> list:
+    """``results`` of a collective call, or WeightGroupTimeout with the first rank's message."""
+    failed = [r for r in results if isinstance(r, TimedOut)]
+    if failed:
+        raise WeightGroupTimeout(failed[0].message)
+    return results
+
+
 def wait_for_listener(master_address: str, master_port: int, timeout_s: float) -> None:
     """Return once ``master_address:master_port`` accepts a TCP connection (the trainer's store is up);
     WeightGroupTimeout after ``timeout_s`` seconds of refusals. Sends nothing: the store drops the socket."""
