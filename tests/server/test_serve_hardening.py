@@ -205,5 +205,7 @@ def test_health_reports_a_stalled_engine(fake_server):
                 break
             time.sleep(0.1)
         assert seen is not None and seen["status"] == "stalled" and "1 request" in seen["reason"], seen
+        age = re.search(r"^turnout_engine_loop_age_seconds ([0-9.]+)$", httpx.get(u + "/metrics").text, re.M)
+        assert age, "no turnout_engine_loop_age_seconds gauge"
         t.join(60)
         assert httpx.get(u + "/health").status_code == 200  # idle again: nothing waits on it

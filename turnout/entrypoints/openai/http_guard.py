@@ -20,12 +20,10 @@ Two layers, each where its information is:
 
 from __future__ import annotations
 
-import fcntl
 import hmac
 import json
 import logging
 import struct
-import termios
 
 from turnout.entrypoints.openai.errors import error_response
 from turnout.entrypoints.openai.rl_routes import RL_PATHS  # the RL endpoints need the key too
@@ -34,8 +32,8 @@ logger = logging.getLogger("turnout.serve")
 
 _DRAIN_FACTOR = 16  # bodies up to 16x the limit are read away before the 413; larger ones are cut off
 _JSON = b"application/json"
-# Data endpoints outside /v1 that need the API key too: web.py's op table, the tokenizer (it runs chat
-# templates and tool schemas on a thread every keyed request shares), the API description (--enable-docs).
+# Data endpoints outside /v1 that need the API key too: web.py's op table, the tokenizer (a chat template
+# and a tool list cost seconds to render: no keyless caller may spend them), the API description.
 KEYED_PATHS = frozenset({"/ops", "/tokenize", "/detokenize", "/openapi.json"}) | RL_PATHS
 
 
@@ -43,7 +41,13 @@ def _error_body(message: str, type: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
 
 
-_TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)  # bytes in a socket's send queue not yet acknowledged (Linux)
+try:  # bytes in a socket's send queue its peer has not acknowledged: Linux (elsewhere the ioctl fails: None)
+    import fcntl
+    import termios
+
+    _TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)
+except ImportError:  # not a Unix
+    _TIOCOUTQ = None
 
 
 def _unacknowledged(sock) -> int | None:
