@@ -143,6 +143,7 @@ class AsyncLLMEngine(AsyncRolloutMixin):
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.unavailable: str | None = None  # why admission is refused now (asleep / paused), set on the engine thread
+        self.last_loop = time.monotonic()  # the engine thread's last turn of its loop (/health: a stalled engine)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "AsyncLLMEngine":
@@ -356,6 +357,7 @@ class AsyncLLMEngine(AsyncRolloutMixin):
             self._call_soon(t.stream._put, merged)
 
     def _publish_stats(self, added: int, aborted: int) -> None:
+        self.last_loop = time.monotonic()
         snap = self.engine.get_stats()  # a fresh EngineStats each call
         with self._lock:
             self.stats = snap

@@ -5,7 +5,8 @@ Each call is a command on the engine thread's queue, run between two steps (the 
 engine is the only one that touches it, as for add and abort), and its result or exception comes back to
 the awaiting caller. Calls that change the weights run paused (pause "keep" -> do -> resume, unless the
 caller paused already), so no step mixes old and new weights on the host side; a lookahead step already
-launched under async scheduling finishes with the weights it started with (one token).
+launched under async scheduling finishes with the weights it started with (one token). Waiting for a
+trainer to appear (``init_weight_update_group``) happens off that thread, under the caller's timeout.
 ``pause_generation("abort")`` ends every in-flight request with ``finish_reason == "abort"`` and its
 partial tokens and logprobs, delivered to its stream; "keep" freezes them until ``resume_generation()``.
 While asleep or paused, new requests are refused with ``EngineUnavailable`` (a 503 on the server).
@@ -86,13 +87,18 @@ class AsyncRolloutMixin:
         return await self._on_engine(self._while_paused(lambda: self.engine.update_weights_from_disk(path)))
 
     async def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                       world_size: int, backend: str = "gloo") -> list[int]:
-        return await self._on_engine(lambda: self.engine.init_weight_update_group(
-            master_address, master_port, rank_offset, world_size, backend))
+                                       world_size: int, backend: str = "gloo", timeout: float | None = None
+                                       ) -> list[int]:
+        """Waits for the trainer's store on a thread of its own (the engine keeps stepping: a wrong port
+        costs the caller its ``timeout``, never the other requests), then joins on the engine thread."""
+        rl = self.engine.rl
+        args = (master_address, master_port, rank_offset, world_size, backend)
+        deadline = await asyncio.to_thread(rl.wait_for_trainer, *args, timeout)
+        return await self._on_engine(lambda: rl.join_weight_update_group(*args, deadline))
 
-    async def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
+    async def update_weights_from_distributed(self, names, dtypes, shapes, timeout: float | None = None) -> list[str]:
         return await self._on_engine(self._while_paused(
-            lambda: self.engine.update_weights_from_distributed(names, dtypes, shapes)))
+            lambda: self.engine.update_weights_from_distributed(names, dtypes, shapes, timeout)))
 
     async def reset_prefix_cache(self) -> int:
         return await self._on_engine(self.engine.reset_prefix_cache)

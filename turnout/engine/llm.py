@@ -9,7 +9,8 @@ from typing import Sequence as Seq
 from turnout.config import EngineConfig
 from turnout.engine.llm_engine import LLMEngine
 from turnout.engine.outputs import RequestOutput
-from turnout.engine.rl import GenerationGate, TokenOutput
+from turnout.engine.generation_gate import GenerationGate
+from turnout.engine.rl import TokenOutput
 from turnout.engine.sampling_params import SamplingParams
 
 
@@ -47,7 +48,7 @@ class LLM:
                                    kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
-        self._gate = GenerationGate(self.engine)  # pause / abort from another thread (turnout/engine/rl.py)
+        self._gate = GenerationGate(self.engine)  # pause / abort from another thread (generation_gate.py)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -154,17 +155,19 @@ class LLM:
         return self.engine.update_weights_from_disk(path)
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                 backend: str = "gloo") -> list[int]:
+                                 backend: str = "gloo", timeout: float | None = None) -> list[int]:
         """Join a trainer's torch.distributed broadcast group (the trainer is rank 0 and hosts the store at
-        master_address:master_port; engine rank r is rank_offset + r). Returns the engine ranks' group ranks."""
+        master_address:master_port; engine rank r is rank_offset + r). Returns the engine ranks' group ranks.
+        TimeoutError when the group has not formed within ``timeout`` seconds (default 60)."""
         self._gate.check_quiet("init_weight_update_group")
-        return self.engine.init_weight_update_group(master_address, master_port, rank_offset, world_size, backend)
+        return self.engine.init_weight_update_group(master_address, master_port, rank_offset, world_size, backend,
+                                                    timeout)
 
-    def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
+    def update_weights_from_distributed(self, names, dtypes, shapes, timeout: float | None = None) -> list[str]:
         """Receive tensors the trainer broadcasts (``turnout.worker.weight_broadcast.broadcast_weights``), in
-        the order of ``names``, and write them as update_weights does."""
+        the order of ``names``, and write them as update_weights does (each within ``timeout`` seconds)."""
         self._gate.check_quiet("update_weights_from_distributed")
-        return self.engine.update_weights_from_distributed(names, dtypes, shapes)
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes, timeout)
 
     def update_weights_from_ipc(self, buckets) -> list[str]:
         """Tensors another process shares by handle (CUDA IPC on a GPU, shared memory on the host), in buckets

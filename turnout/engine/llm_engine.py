@@ -224,11 +224,12 @@ class LLMEngine:
         return self.rl.update_weights_from_disk(path)
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                 backend: str = "gloo") -> list[int]:
-        return self.rl.init_weight_update_group(master_address, master_port, rank_offset, world_size, backend)
+                                 backend: str = "gloo", timeout: float | None = None) -> list[int]:
+        return self.rl.init_weight_update_group(master_address, master_port, rank_offset, world_size, backend,
+                                                timeout)
 
-    def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
-        return self.rl.update_weights_from_distributed(names, dtypes, shapes)
+    def update_weights_from_distributed(self, names, dtypes, shapes, timeout: float | None = None) -> list[str]:
+        return self.rl.update_weights_from_distributed(names, dtypes, shapes, timeout)
 
     def update_weights_from_ipc(self, buckets) -> list[str]:
         return self.rl.update_weights_from_ipc(buckets)

@@ -18,9 +18,9 @@ The work on tensors happens on every rank (turnout/worker/rank_memory.py), reach
 from __future__ import annotations
 
 import logging
-import threading
+import math
+import time
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from turnout.worker import rank_memory
@@ -134,9 +134,11 @@ class RolloutControl:
 
     def update_weights_from_disk(self, path: str) -> list[str]:
         """Every tensor of a safetensors checkpoint directory (HF names; a subset of the model's is fine).
-        Names, shapes and dtypes are checked from the files' headers on the driver rank; then each rank
+        Only files inside ``path`` are read (an index naming ``../`` or an absolute path is refused). Every
+        file is checked before any rank writes: its size and header, then each tensor's name, shape and
+        dtype against the model; a ValueError names ``path``, the file and the tensor. Then each rank
         streams the files itself."""
-        from turnout.loader.safetensors import safetensors_files
+        from turnout.loader.safetensors import checked_headers, safetensors_files
 
         if self.weights_asleep:
             raise RuntimeError("update_weights_from_disk: the weights are asleep (sleep() was called); "
@@ -145,39 +147,81 @@ class RolloutControl:
             raise ValueError(f"path: a checkpoint directory, got {path!r}")
         try:
             files = safetensors_files(path)
-        except ValueError as e:  # the directory holds no checkpoint
+        except ValueError as e:  # no checkpoint there, a malformed index, a shard outside the directory
             raise ValueError(f"path: {e}") from None
-        self.engine.runner.memory.check_weights(rank_memory.checkpoint_headers(files))
+        except OSError as e:  # unreadable (permissions, a directory where the index should be, ...)
+            raise ValueError(f"path: {e.filename or path}: {e.strerror or e}") from None
+        for f in files:
+            try:
+                self.engine.runner.memory.check_weights(checked_headers(f))
+            except ValueError as e:  # the file's own check names it; the model's names the tensor
+                raise ValueError(f"path: {e}" if str(f) in str(e) else f"path: {f}: {e}") from None
         written = self._rpc(rank_memory.update_weights_from_disk_rank, [str(f) for f in files])[0]
         self.reset_prefix_cache()
         return written
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                 backend: str = "gloo") -> list[int]:
+                                 backend: str = "gloo", timeout: float | None = None) -> list[int]:
         """Every engine rank joins the trainer's broadcast group (turnout/worker/weight_broadcast.py) as
-        ``rank_offset + its rank``; blocks until the trainer (rank 0, hosting the store) has joined too."""
-        from turnout.worker.weight_broadcast import BACKENDS
+        ``rank_offset + its rank``; waits until the trainer (rank 0, hosting the store) has joined too, at most
+        ``timeout`` seconds (default ``DEFAULT_TIMEOUT_S``), then TimeoutError with nothing joined."""
+        deadline = self.wait_for_trainer(master_address, master_port, rank_offset, world_size, backend, timeout)
+        return self.join_weight_update_group(master_address, master_port, rank_offset, world_size, backend, deadline)
+
+    def wait_for_trainer(self, master_address, master_port, rank_offset, world_size, backend="gloo",
+                         timeout=None) -> float:
+        """The arguments checked, then wait (any thread: it touches no engine state) until the trainer's store
+        accepts connections. Returns the deadline (``time.monotonic()``) the join must keep."""
+        from turnout.worker.weight_broadcast import BACKENDS, DEFAULT_TIMEOUT_S, wait_for_listener
 
         if backend not in BACKENDS:
             raise ValueError(f"backend: one of {list(BACKENDS)}, got {backend!r}")
+        if not isinstance(master_address, str) or not master_address:
+            raise ValueError(f"master_address: a host name or address, got {master_address!r}")
+        if not (isinstance(master_port, int) and 0 < master_port < 65536):
+            raise ValueError(f"master_port: must be in [1, 65535], got {master_port!r}")
         n = self.engine.executor.world_size
         if not (isinstance(rank_offset, int) and rank_offset >= 1 and rank_offset + n <= world_size):
             raise ValueError(f"rank_offset: engine ranks {rank_offset}..{rank_offset + n - 1} must lie in "
                              f"[1, world_size={world_size}) (the trainer is rank 0)")
-        return self._rpc(rank_memory.init_weight_update_group_rank, master_address, int(master_port), rank_offset,
-                         world_size, backend)
+        timeout = _check_timeout(timeout, DEFAULT_TIMEOUT_S)
+        deadline = time.monotonic() + timeout
+        wait_for_listener(master_address, master_port, timeout)
+        return deadline
 
-    def update_weights_from_distributed(self, names, dtypes, shapes) -> list[str]:
+    def join_weight_update_group(self, master_address, master_port, rank_offset, world_size, backend,
+                                 deadline: float) -> list[int]:
+        """The ranks' half (the engine's thread): build the group within what is left of ``deadline``."""
+        from turnout.worker.weight_broadcast import raise_timed_out
+
+        left = max(deadline - time.monotonic(), 1.0)  # the store answered: a rendezvous takes milliseconds
+        results = self._rpc(rank_memory.init_weight_update_group_rank, master_address, int(master_port),
+                            rank_offset, world_size, backend, left)
+        try:
+            return raise_timed_out(results)
+        except TimeoutError:
+            self.destroy_weight_update_group()  # the ranks that did join hold a group missing members
+            raise
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, timeout: float | None = None) -> list[str]:
         """Receive the announced tensors (in this order) from the trainer's broadcasts, then write them: as
-        ``update_weights``, the names and shapes checked before any rank receives."""
-        from turnout.worker.weight_broadcast import meta_weights
+        ``update_weights``, the names and shapes checked before any rank receives. Each tensor must arrive
+        within ``timeout`` seconds (default ``DEFAULT_TIMEOUT_S``), else TimeoutError, nothing written and the
+        group dropped (``init_weight_update_group`` again)."""
+        from turnout.worker.weight_broadcast import DEFAULT_TIMEOUT_S, meta_weights, raise_timed_out
 
         if self.weights_asleep:
             raise RuntimeError("update_weights_from_distributed: the weights are asleep (sleep() was called); "
                                "wake_up(tags=['weights']) first")
+        timeout = _check_timeout(timeout, DEFAULT_TIMEOUT_S)
         self.engine.runner.memory.check_weights(meta_weights(names, dtypes, shapes))
-        written = self._rpc(rank_memory.update_weights_from_distributed_rank, list(names),
-                            [str(d) for d in dtypes], [tuple(int(x) for x in s) for s in shapes])[0]
+        results = self._rpc(rank_memory.update_weights_from_distributed_rank, list(names),
+                            [str(d) for d in dtypes], [tuple(int(x) for x in s) for s in shapes], timeout)
+        try:
+            written = raise_timed_out(results)[0]
+        except TimeoutError:
+            self.destroy_weight_update_group()  # every rank's, not only those that timed out
+            raise
         self.reset_prefix_cache()
         return written
 
@@ -241,77 +285,9 @@ class RolloutControl:
         self.paused = None
 
 
-class GenerationGate:
-    """How another thread pauses or aborts ``LLM.generate`` (which steps the engine in the caller's thread):
-    it asks, and the generate loop honours the ask between two steps (``checkpoint``), so the engine is only
-    ever touched by one thread at a time. ``pause("keep")`` returns once the loop is parked; the asking
-    thread may then update weights, and ``resume`` lets the loop go on. With no generate running an ask is
-    applied at once."""
-
-    def __init__(self, engine):
-        # a proxy, not a reference: the engine holds this object, and a cycle would keep a dropped engine
-        # (its weights and KV cache, GiBs on a GPU) alive until the cyclic garbage collector runs
-        self.engine = weakref.proxy(engine)
-        self._cv = threading.Condition()
-        self._running = False
-        self._parked = False
-        self._ask: str | None = None
-        self._answer: list[RequestOutput] = []
-        self._aborted_while_parked: list[RequestOutput] = []
-
-    @contextmanager
-    def generating(self):
-        with self._cv:
-            self._running = True
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._running = False
-                if self._ask is not None:  # asked after the loop's last checkpoint: answered now, idle
-                    self._answer, self._ask = self.engine.rl.pause_generation(self._ask), None
-                self._cv.notify_all()
-
-    def checkpoint(self) -> list[RequestOutput]:
-        """The generate loop, between steps: honour a pending ask. Returns the outputs it aborted."""
-        if self._ask is None:  # an unlocked read: an ask that races it is seen at the next step
-            return []
-        with self._cv:
-            ask, self._ask = self._ask, None
-            if ask is None:
-                return []
-            self._answer = out = self.engine.rl.pause_generation(ask)
-            self._cv.notify_all()
-            if ask == "keep":
-                self._parked = True
-                while self.engine.rl.paused == "keep":
-                    self._cv.wait()
-                self._parked = False
-                out, self._aborted_while_parked = out + self._aborted_while_parked, []
-            return out
-
-    def pause(self, mode: str) -> list[RequestOutput]:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode: must be one of {list(PAUSE_MODES)}, got {mode!r}")
-        with self._cv:
-            if not self._running or self._parked:
-                out = self.engine.rl.pause_generation(mode)
-                if self._parked:  # the parked loop collects its aborted requests too
-                    self._aborted_while_parked.extend(out)
-                    self._cv.notify_all()
-                return out
-            self._ask = mode
-            while self._ask is not None:
-                self._cv.wait()
-            return self._answer
-
-    def resume(self) -> None:
-        with self._cv:
-            self.engine.rl.resume_generation()
-            self._cv.notify_all()
-
-    def check_quiet(self, what: str) -> None:
-        """``what`` touches the engine: refuse while a generate loop runs in another thread and is not parked."""
-        if self._running and not self._parked:
-            raise RuntimeError(f"{what}: a generate() call is running; pause_generation() (or "
-                               "abort_all_requests()) first")
+def _check_timeout(timeout, default: float) -> float:
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
+        raise ValueError(f"timeout: seconds > 0, got {timeout!r}")
+    return float(timeout)

@@ -233,42 +233,27 @@ def update_weights_from_disk_rank(worker, files: list[str]) -> list[str]:
     return sorted(written)
 
 
-def checkpoint_headers(files: list[Path]) -> list[tuple[str, torch.Tensor]]:
-    """(name, meta tensor of the stored shape and dtype) for every tensor of the files, from their headers
-    only (no tensor data read)."""
-    from safetensors import safe_open
-
-    out = []
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                dtype = _ST_DTYPES.get(sl.get_dtype(), torch.uint8)  # unknown: an integer, refused by the check
-                out.append((name, torch.empty(sl.get_shape(), dtype=dtype, device="meta")))
-    return out
-
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
 def init_weight_update_group_rank(worker, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, backend: str = "gloo") -> int:
-    """Join the trainer's broadcast group as ``rank_offset + worker.rank``; returns that rank."""
-    from turnout.worker.weight_broadcast import stateless_group
+                                  world_size: int, backend: str = "gloo", timeout_s: float | None = None) -> int:
+    """Join the trainer's group as ``rank_offset + worker.rank`` within ``timeout_s``: that rank, or TimedOut."""
+    from turnout.worker.weight_broadcast import TimedOut, stateless_group
 
     mem = worker.runner.memory
     rank = rank_offset + worker.rank
-    mem.weight_group = stateless_group(master_address, master_port, rank, world_size, backend,
-                                       device=worker.runner.device if backend == "nccl" else None)
+    try:
+        mem.weight_group = stateless_group(master_address, master_port, rank, world_size, backend,
+                                           device=worker.runner.device if backend == "nccl" else None,
+                                           timeout_s=timeout_s)
+    except TimeoutError as e:
+        return TimedOut(str(e))
     return rank
 
 
-def update_weights_from_distributed_rank(worker, names, dtypes, shapes) -> list[str]:
-    """Receive each announced tensor from the trainer (rank 0 of the group), then write them all; the engine
-    checked the names and shapes against the model before any rank received."""
-    from turnout.worker.weight_broadcast import broadcast, meta_weights
+def update_weights_from_distributed_rank(worker, names, dtypes, shapes, timeout_s: float | None = None):
+    """Receive each announced tensor from the trainer (rank 0 of the group; each within ``timeout_s``), then
+    write them all; the engine checked the names and shapes against the model before any rank received.
+    A failed broadcast drops the group (it may be out of step), writes nothing and answers ``TimedOut``."""
+    from turnout.worker.weight_broadcast import TimedOut, broadcast, meta_weights
     from turnout.models.weight_map import update_weights
 
     mem, r = worker.runner.memory, worker.runner
@@ -276,10 +261,14 @@ def update_weights_from_distributed_rank(worker, names, dtypes, shapes) -> list[
         raise RuntimeError("update_weights_from_distributed: init_weight_update_group() first")
     dev = r.device if mem.weight_group.backend == "nccl" else torch.device("cpu")  # gloo receives on the host
     items = []
-    for name, meta in meta_weights(names, dtypes, shapes):
-        buf = torch.empty(meta.shape, dtype=meta.dtype, device=dev)
-        broadcast(mem.weight_group, buf)
-        items.append((name, buf))
+    try:
+        for name, meta in meta_weights(names, dtypes, shapes):
+            buf = torch.empty(meta.shape, dtype=meta.dtype, device=dev)
+            broadcast(mem.weight_group, buf, timeout_s)
+            items.append((name, buf))
+    except TimeoutError as e:
+        mem.weight_group = None
+        return TimedOut(str(e))
     written = update_weights(r.model, items, checked=True)
     mem.weights_discarded = False
     if r.device.type == "cuda":

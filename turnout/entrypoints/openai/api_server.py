@@ -16,20 +16,21 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import turnout
 from turnout.engine.async_engine import AsyncLLMEngine
 from turnout.entrypoints.openai import protocol as P
 from turnout.entrypoints.openai.errors import APIError, error_response
+from turnout.entrypoints.openai.health import health_response
 from turnout.entrypoints.openai.http_guard import RequestGuard
 from turnout.entrypoints.openai.metrics import ServerMetrics
 from turnout.entrypoints.openai.serve_options import ServeOptions
 from turnout.entrypoints.openai.serving_chat import create_chat_completion
 from turnout.entrypoints.openai.serving_completions import create_completion
 from turnout.entrypoints.openai.rl_routes import register_rl_routes
-from turnout.entrypoints.openai.serving_tokenize import add_tokenize_routes
+from turnout.entrypoints.openai.serving_tokenize import TokenizeLane, add_tokenize_routes
 from turnout.entrypoints.openai.web import register_web_routes
 
 logger = logging.getLogger("turnout.serve")
@@ -42,6 +43,8 @@ class ServerState:
     served_model_names: list[str] | None = None
     api_key: str | None = None
     enable_rl_endpoints: bool = False  # /sleep, /wake_up, /pause, ... (rl_routes.py)
+    enable_docs: bool = False  # GET /openapi.json, behind the key (no /docs or /redoc pages: they load a CDN)
+    stall_after_s: float = 30.0  # /health answers 503 "stalled" when work waits on an engine this long silent
     max_queue: int = 1024
     max_num_seqs: int = 256
     max_request_bytes: int = 4 << 20
@@ -62,6 +65,7 @@ class ServerState:
     def __post_init__(self):
         self.metrics = ServerMetrics(self)
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="turnout-tokenizer")  # one: HF tokenizers
+        self.tokenize_lane = TokenizeLane()  # /tokenize and /detokenize: a thread of their own
         self._decode_cache: dict[int, str] = {}
 
     # ---------------------------------------------------------------- engine life
@@ -111,6 +115,7 @@ class ServerState:
         if self.async_engine is not None:
             await self.async_engine.shutdown(drain_timeout)
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
+        self.tokenize_lane.shutdown()
 
     def start_draining(self) -> None:
         if self.phase == "dead":
@@ -188,7 +193,10 @@ def build_app(state: ServerState) -> FastAPI:
             load.cancel()
             await state.shutdown(0.0)
 
-    app = FastAPI(title="turnout", version=turnout.__version__, lifespan=lifespan)
+    # FastAPI's /docs and /redoc pages load their scripts from a CDN: never served. The API description
+    # itself only with --enable-docs, and then behind the key (http_guard.KEYED_PATHS).
+    app = FastAPI(title="turnout", version=turnout.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if state.enable_docs else None)
     app.state.turnout = state
 
     @app.exception_handler(APIError)
@@ -218,9 +226,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.healthy:
-            return Response(status_code=200)
-        return JSONResponse({"status": state.phase if state.phase != "ready" else "dead"}, status_code=503)
+        return health_response(state)
 
     @app.get("/version")
     async def version():

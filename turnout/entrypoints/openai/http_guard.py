@@ -5,10 +5,13 @@ Two layers, each where its information is:
 * ``guarded_h11_protocol(...)``: uvicorn's h11 protocol with deadlines uvicorn lacks. A connection must
   deliver its request headers within ``header_timeout`` seconds (from connecting, or from the end of the
   previous response) and then its body within ``body_timeout``; a response the client stops reading is
-  abandoned after ``write_timeout`` seconds of a full send buffer; connections beyond ``max_connections``
+  abandoned after ``write_timeout`` seconds in which the client acknowledged none of the bytes waiting for
+  it (on Linux, counted from the kernel's send queue, so a stream is cut once the client's own receive
+  buffer is full, not after the megabytes the kernel would buffer for it; elsewhere: after that long with
+  the send buffer full); connections beyond ``max_connections``
   are refused at once. A stalled or refused connection gets an OpenAI-shaped 408 / 503 where no response
   has started on it, then it is closed; an aborted connection is a disconnect to the app (its request is
-  aborted within a step).
+  aborted within a step). A request h11 cannot parse gets a JSON 400 too, not uvicorn's plain text.
 * ``RequestGuard`` (pure ASGI): duplicate ``Authorization`` headers (400), the API key on /v1/* and
   ``KEYED_PATHS`` (401), too many header fields (431), a POST whose Content-Type is not JSON (415: a
   browser's cross-origin "simple" POST, text/plain or a form, must not start a generation), the body size
@@ -20,6 +23,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import struct
 
 from turnout.entrypoints.openai.errors import error_response
 from turnout.entrypoints.openai.rl_routes import RL_PATHS  # the RL endpoints need the key too
@@ -28,11 +32,46 @@ logger = logging.getLogger("turnout.serve")
 
 _DRAIN_FACTOR = 16  # bodies up to 16x the limit are read away before the 413; larger ones are cut off
 _JSON = b"application/json"
-KEYED_PATHS = frozenset({"/ops"}) | RL_PATHS  # data endpoints outside /v1 that need the API key too (web.py's op table)
+# Data endpoints outside /v1 that need the API key too: web.py's op table, the tokenizer (a chat template
+# and a tool list cost seconds to render: no keyless caller may spend them), the API description.
+KEYED_PATHS = frozenset({"/ops", "/tokenize", "/detokenize", "/openapi.json"}) | RL_PATHS
 
 
 def _error_body(message: str, type: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+
+
+try:  # bytes in a socket's send queue its peer has not acknowledged: Linux (elsewhere the ioctl fails: None)
+    import fcntl
+    import termios
+
+    _TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)
+except ImportError:  # not a Unix
+    _TIOCOUTQ = None
+
+
+def _unacknowledged(sock) -> int | None:
+    """Bytes written to ``sock`` that its peer has not acknowledged yet, or None where unknown."""
+    if _TIOCOUTQ is None or sock is None:
+        return None
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return None
+
+
+class _CountingTransport:
+    """The connection's transport with a running count of the bytes written through it."""
+
+    def __init__(self, inner, on_write):
+        self._inner, self._on_write = inner, on_write
+
+    def write(self, data) -> None:
+        self._inner.write(data)
+        self._on_write(len(data))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def guarded_h11_protocol(header_timeout: float, body_timeout: float, write_timeout: float,
@@ -45,10 +84,18 @@ def guarded_h11_protocol(header_timeout: float, body_timeout: float, write_timeo
         _read_timer = None  # header or body deadline, whichever phase the request is in
         _read_phase = None  # "header" | "body" | None
         _write_timer = None
+        _sock = None  # the socket, where its send queue can be read (reader progress)
+        _written = _acked = 0  # bytes written, bytes the client has acknowledged
+        _acked_at = 0.0
+        _progress_timer = None
 
         # ---- connection
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if write_timeout and write_timeout > 0 and _unacknowledged(sock) is not None:
+                self._sock = sock
+                self.transport = _CountingTransport(transport, self._on_write)  # the request cycles write here
             if max_connections is not None and len(self.connections) > max_connections:
                 logger.warning("connection limit (%d) reached: refusing %s", max_connections, self.client)
                 self._respond_and_close(503, "Service Unavailable",
@@ -60,6 +107,9 @@ def guarded_h11_protocol(header_timeout: float, body_timeout: float, write_timeo
         def connection_lost(self, exc) -> None:
             self._cancel_read()
             self._cancel_write()
+            if self._progress_timer is not None:
+                self._progress_timer.cancel()
+                self._progress_timer = None
             super().connection_lost(exc)
 
         # ---- reading the request
@@ -125,6 +175,41 @@ def guarded_h11_protocol(header_timeout: float, body_timeout: float, write_timeo
             self._write_timer = None
             logger.info("client %s read nothing for %gs: closing its connection", self.client, write_timeout)
             self.transport.abort()  # connection_lost: the app sees a disconnect and aborts the request
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's own answer to a request h11 cannot parse (a bad request line, a malformed header, a
+            # header block over --h11-max-incomplete-event-size) is text/plain; OpenAI clients parse JSON
+            self._respond_and_close(400, "Bad Request", f"{msg} The request line or headers are not valid "
+                                    "HTTP/1.1 (or exceed --h11-max-incomplete-event-size).",
+                                    "invalid_request_error", "invalid_http_request")
+
+        # ---- is the client reading what we write? (where the send queue can be read)
+        def _on_write(self, n: int) -> None:
+            self._written += n
+            if self._progress_timer is None:  # nothing was waiting for the client: its clock starts now
+                self._acked_at = self.loop.time()
+                self._progress_timer = self.loop.call_later(self._check_period(), self._check_progress)
+
+        def _check_period(self) -> float:
+            return min(1.0, write_timeout / 4)
+
+        def _check_progress(self) -> None:
+            self._progress_timer = None
+            if self.transport.is_closing():
+                return
+            queued = _unacknowledged(self._sock)
+            if queued is None:
+                return
+            waiting = queued + self.transport.get_write_buffer_size()
+            acked, now = self._written - waiting, self.loop.time()
+            if acked != self._acked:
+                self._acked, self._acked_at = acked, now
+            if waiting <= 0:
+                return  # all delivered; the next write starts the clock again
+            if now - self._acked_at >= write_timeout:
+                self._write_timed_out()
+                return
+            self._progress_timer = self.loop.call_later(self._check_period(), self._check_progress)
 
         def _respond_and_close(self, status: int, reason: str, message: str, type: str, code: str,
                                retry_after: bool = False) -> None:

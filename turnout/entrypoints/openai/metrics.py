@@ -3,6 +3,8 @@ fed by the engine thread. One CollectorRegistry per app, so several apps can liv
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -55,6 +57,10 @@ class _EngineCollector:
                       "since start.", s.prefix_cache_hit_tokens_total if s else 0)
         yield from _kv_tier_metrics(s, gauge, counter)
         yield gauge("turnout_engine_healthy", "1 when the engine is loaded and alive.", 1 if st.healthy else 0)
+        last = getattr(eng, "last_loop", None)
+        yield gauge("turnout_engine_loop_age_seconds", "Seconds since the engine thread last came round its loop "
+                    "(an idle engine: under a second; the gauges above are as old as this).",
+                    time.monotonic() - last if last is not None else 0.0)
         yield from _replica_metrics(getattr(eng, "replicas", None), getattr(eng, "admitted", None))
         ops = g("turnout_op_implementation", "Implementation each op resolved to (value 1).",
                 labels=["op", "impl"])

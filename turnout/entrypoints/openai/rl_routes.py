@@ -4,9 +4,11 @@ training steps. Each runs on the engine thread between two steps (turnout/engine
 
 POST /sleep {level}, /wake_up {tags}, /reset_prefix_cache, /pause {mode}, /resume,
 /update_weights_from_disk {path}, /init_weight_update_group {master_address, master_port, rank_offset,
-world_size, backend}, /update_weights_from_distributed {names, dtypes, shapes}; GET /is_sleeping,
-/is_paused. A bad value is a 400 naming the field; a state that forbids the call (sleeping with requests in
-flight, updating asleep weights) a 409.
+world_size, backend, timeout}, /update_weights_from_distributed {names, dtypes, shapes, timeout}; GET
+/is_sleeping, /is_paused. A bad value is a 400 naming the field (a malformed checkpoint: its file and
+tensor); a state that forbids the call (sleeping with requests in flight, updating asleep weights) a 409; a
+trainer that does not answer within ``timeout`` seconds (default 60) a 504, with nothing joined or written
+and the engine generating throughout the wait for the trainer's store.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ async def _run(state, coro_fn):
         return await coro_fn()
     except ValueError as e:
         raise from_value_error(e) from None
+    except TimeoutError as e:  # the trainer's side did not answer in time (weight_broadcast.WeightGroupTimeout)
+        raise APIError(504, str(e), type="timeout", param=str(e).split(":", 1)[0] if ":" in str(e) else None,
+                       code="trainer_timeout") from None
     except RuntimeError as e:  # the engine's state forbids it now (asleep, requests in flight)
         raise APIError(409, str(e), type="invalid_state", code="invalid_state") from None
 
@@ -124,7 +129,7 @@ def register_rl_routes(app, state) -> None:
         b = await _body(request)
         args = (_field(b, "master_address", str, required=True), _field(b, "master_port", int, required=True),
                 _field(b, "rank_offset", int, required=True), _field(b, "world_size", int, required=True),
-                _field(b, "backend", str, "gloo"))
+                _field(b, "backend", str, "gloo"), _field(b, "timeout", (int, float)))
         ranks = await _run(state, lambda: eng().init_weight_update_group(*args))
         return JSONResponse({"ranks": ranks})
 
@@ -139,5 +144,6 @@ def register_rl_routes(app, state) -> None:
         if not len(names) == len(dtypes) == len(shapes):
             raise bad_request("names: names, dtypes and shapes must have the same length", param="names",
                               code="invalid_value")
-        written = await _run(state, lambda: eng().update_weights_from_distributed(names, dtypes, shapes))
+        timeout = _field(b, "timeout", (int, float))
+        written = await _run(state, lambda: eng().update_weights_from_distributed(names, dtypes, shapes, timeout))
         return JSONResponse({"updated": len(written)})

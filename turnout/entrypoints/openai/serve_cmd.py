@@ -84,7 +84,11 @@ def add_arguments(p) -> None:
                    help="port to listen on; bound before the model loads, so a port in use fails at once")
     s.add_argument("--enable-rl-endpoints", action="store_true", help="serve the RL control endpoints (/sleep, /wake_up, /pause, /resume, /update_weights_from_disk, ...; docs/architecture.md)")
     s.add_argument("--api-key", default=envs.get().api_key,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TURNOUT_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /ops, the RL "
+                        "endpoints and /openapi.json; an empty KEY is an error (default: $TURNOUT_API_KEY)")
+    s.add_argument("--enable-docs", action="store_true",
+                   help="serve the API description at /openapi.json (behind --api-key); the /docs and /redoc "
+                        "pages are never served: they load their scripts from a CDN")
     s.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests beyond the free running slots; more get 503 + Retry-After")
 
@@ -116,8 +120,8 @@ def add_arguments(p) -> None:
     h.add_argument("--timeout-body", type=float, default=60.0,
                    help="seconds a request may take to send its body after the headers (else 408, closed)")
     h.add_argument("--timeout-write", type=float, default=60.0,
-                   help="seconds a client may leave a response unread with the send buffer full (else "
-                        "closed, its request aborted)")
+                   help="seconds a client may leave a response unread (no byte acknowledged) before it is "
+                        "closed and its request aborted")
     h.add_argument("--timeout-keep-alive", type=int, default=5,
                    help="seconds an idle keep-alive connection stays open")
     h.add_argument("--h11-max-incomplete-event-size", type=int, default=64 << 10,
@@ -210,6 +214,9 @@ def run(args) -> int:
         return run_headless(build_config(args))
     if args.max_queue < 0:
         raise ValueError(f"--max-queue: must be >= 0, got {args.max_queue}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key: empty; give a key, or leave the flag (and $TURNOUT_API_KEY) out to serve "
+                         "without one")
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes: must be >= 1024, got {args.max_request_bytes}")
     for flag in ("timeout_header", "timeout_body", "timeout_write", "dead_engine_grace", "drain_timeout"):
@@ -227,6 +234,9 @@ def run(args) -> int:
     if config.data_parallel_size > 1 and args.enable_rl_endpoints:
         raise ValueError("--enable-rl-endpoints: the RL control plane drives one engine; not with "
                          "--data-parallel-size > 1")
+    if args.enable_rl_endpoints and not args.api_key:
+        logger.warning("WARNING: --enable-rl-endpoints without --api-key: anyone who can reach this port can put "
+                       "the engine to sleep, pause it and replace its weights")
     options = serve_options(args)
     sock = bind_socket(args.host, args.port)  # before any heavy import or the model: fail in milliseconds
     port = sock.getsockname()[1]  # the one bound, also for --port 0
@@ -275,7 +285,8 @@ def run(args) -> int:
     # As vLLM: the API name is --served-model-name, else the MODEL argument, else the engine's display name.
     names = args.served_model_name or ([config.model] if config.model else None)
     state = ServerState(engine_factory=make_engine, served_model_names=names,
-                        api_key=args.api_key or None, enable_rl_endpoints=args.enable_rl_endpoints, max_queue=args.max_queue,
+                        api_key=args.api_key, enable_rl_endpoints=args.enable_rl_endpoints, enable_docs=args.enable_docs,
+                        max_queue=args.max_queue,
                         max_num_seqs=args.max_num_seqs or MAX_DEFAULT_SEQS,
                         max_request_bytes=args.max_request_bytes, max_header_count=args.h11_max_header_count,
                         drain_timeout=args.drain_timeout, options=options,
