@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from turnout.config import FIELDS, VLLM_NOOPS, EngineConfig, engine_config
+from turnout.config import FIELDS, VLLM_NOOPS, EngineConfig
 from turnout.entrypoints import bench_cmd, cli, generate_cmd
 from turnout.entrypoints.engine_args import cli_fields
 from turnout.entrypoints.openai import serve_cmd
@@ -141,7 +141,9 @@ def test_vllm_noop_flags_are_accepted_with_a_note(caplog):
     assert len(notes) == len(VLLM_NOOPS) and all("no effect" in n for n in notes), notes
     assert serve_cmd.build_config(_serve_args("--generation-config", "auto")) == EngineConfig()
     generate = cli.build_parser().parse_args(["generate", "hi", "--enable-chunked-prefill"])
-    assert generate.enable_chunked_prefill is True  # generate and bench take them too
+    assert generate.enable_chunked_prefill is True  # generate and bench take those of vLLM's engine too
+    with pytest.raises(SystemExit):  # but not the server's
+        cli.build_parser().parse_args(["generate", "hi", "--disable-uvicorn-access-log"])
 
 
 def test_vllm_noop_values_that_ask_for_something_are_refused(llm_config, tmp_path):
@@ -155,3 +157,5 @@ def test_vllm_noop_values_that_ask_for_something_are_refused(llm_config, tmp_pat
     assert llm_config(enable_chunked_prefill=True, disable_log_stats=True, generation_config="auto") == EngineConfig()
     with pytest.raises(ValueError, match="^generation_config: "):
         llm_config(generation_config=str(tmp_path))
+    with pytest.raises(ValueError, match="^unknown option 'disable_log_requests'"):  # a server flag, in vLLM too
+        llm_config(disable_log_requests=True)

@@ -4,9 +4,9 @@ Each field carries its documentation in its metadata (``option(...)``): the help
 command line differs from the field, its flag, a short alias, choices or a metavar. ``LLM(**options)``
 (turnout/engine/llm.py) and the engine flags of `turnout serve / generate / bench`
 (turnout/entrypoints/engine_args.py) are made from these fields, so a new field is a new keyword argument
-and a new flag with its --help text, and nothing else needs to list it. ``engine_config(**options)`` takes them by name: a mistyped name is refused
-with the field it was probably meant to be, and vLLM's options that change nothing in turnout are accepted
-with a note, so a vLLM command line or script runs as it is.
+and a new flag with its --help text, and nothing else needs to list it. ``engine_config(**options)`` takes
+them by name: a mistyped name is refused with the field it was probably meant to be, and vLLM's options that
+change nothing in turnout are accepted with a note, so a vLLM command line or script runs as it is.
 """
 
 from __future__ import annotations
@@ -207,13 +207,15 @@ class VllmNoOp:
     accepts: tuple = (True,)
     refusal: str = ""
     metavar: str | None = None  # an option that takes a value (not a flag)
+    server: bool = False  # a flag of `vllm serve` only (not of vLLM's LLM / EngineArgs)
 
 
 VLLM_NOOPS = {
-    "disable_log_requests": VllmNoOp("turnout logs no line per request"),
+    "disable_log_requests": VllmNoOp("turnout logs no line per request", server=True),
     "disable_log_stats": VllmNoOp("turnout logs no periodic statistics (they are on /metrics)"),
-    "disable_uvicorn_access_log": VllmNoOp("turnout's server writes no access log"),
-    "disable_frontend_multiprocessing": VllmNoOp("turnout's server runs no front-end process of its own"),
+    "disable_uvicorn_access_log": VllmNoOp("turnout's server writes no access log", server=True),
+    "disable_frontend_multiprocessing": VllmNoOp("turnout's server runs no front-end process of its own",
+                                                 server=True),
     "enable_chunked_prefill": VllmNoOp(
         "turnout always prefills a long prompt in chunks of max_num_batched_tokens",
         refusal="turnout has no unchunked prefill: a prompt longer than max_num_batched_tokens is always chunked"),
@@ -246,7 +248,7 @@ def engine_config(**options) -> EngineConfig:
     """EngineConfig from keyword options: unknown names are an error naming the closest field; vLLM's no-op
     options are noted and dropped."""
     for name in list(options):
-        if name in VLLM_NOOPS:
+        if name in VLLM_NOOPS and not VLLM_NOOPS[name].server:
             note_vllm_noop(name, options.pop(name))
         elif name not in FIELDS:
             raise unknown_option(name, FIELDS)

@@ -29,11 +29,17 @@ import time
 from pathlib import Path
 
 from turnout.entrypoints import bench_serve
+from turnout.entrypoints.bench_models import (  # noqa: F401
+    NullTokenizer,
+    bench_tokenizer,
+    config_roots,
+    has_tokenizer_files,
+    random_prompts,
+    resolve_model,
+)
 from turnout.entrypoints.bench_serve_metrics import json_safe as _clean
 from turnout.entrypoints.engine_args import add_engine_args, add_vllm_noop_args, engine_kwargs, note_vllm_noop_args
 from turnout.kv.stats import format_tiers, tier_report
-from turnout.entrypoints.bench_models import (NullTokenizer, bench_tokenizer, config_roots,  # noqa: F401
-                                          has_tokenizer_files, random_prompts, resolve_model)
 
 logger = logging.getLogger(__name__)
 

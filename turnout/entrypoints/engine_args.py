@@ -13,8 +13,7 @@ import argparse
 import dataclasses
 import typing
 
-from turnout.config import EngineConfig
-from turnout.config import VLLM_NOOPS, note_vllm_noop
+from turnout.config import VLLM_NOOPS, EngineConfig, note_vllm_noop
 
 
 def _flag(f: dataclasses.Field) -> str:
@@ -64,9 +63,11 @@ def engine_kwargs(args, exclude=()) -> dict:
     return out
 
 
-def add_vllm_noop_args(p) -> None:
-    """vLLM's flags that change nothing here (turnout/config.py VLLM_NOOPS)."""
+def add_vllm_noop_args(p, server: bool = False) -> None:
+    """vLLM's flags that change nothing here (turnout/config.py VLLM_NOOPS); ``server``: `serve`'s too."""
     for name, noop in VLLM_NOOPS.items():
+        if noop.server and not server:
+            continue
         flag = "--" + name.replace("_", "-")
         text = f"accepted from vLLM, no effect: {noop.why}"
         if noop.metavar:

@@ -100,7 +100,7 @@ def add_arguments(p) -> None:
     life.add_argument("--dead-engine-grace", type=float, default=3.0,
                       help="seconds between the engine dying and the process exiting 1 (clients get their "
                            "errors meanwhile; /health answers 503)")
-    add_vllm_noop_args(vllm)
+    add_vllm_noop_args(vllm, server=True)
 
 
 def resolve_model(args) -> str | None:
