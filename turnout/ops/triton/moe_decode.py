@@ -96,6 +96,12 @@ def decode_config(fields) -> DecodeConfig:
     return replace(DEFAULT_CONFIG, **fields)
 
 
+def tuned(tuning) -> dict:
+    """``moe_experts``'s keyword arguments from the op table's tuning settings (``turnout.envs.Envs``; bound when
+    the table is resolved, Impl.tunes): the DecodeConfig of TURNOUT_MOE_DECODE_CONFIG, or nothing."""
+    return {"decode_config": decode_config(tuning.moe_decode_config)} if tuning.moe_decode_config else {}
+
+
 def use_decode(num_tokens: int, top_k: int, num_experts: int) -> bool:
     """Host ints only: the choice never syncs and is the same for every replay of a captured graph."""
     num_pairs = num_tokens * top_k
