@@ -45,7 +45,7 @@ def _flags(options: dict) -> list[str]:
         if name == "model":
             argv.append(value)
             continue
-        flag = by_name[name].metadata["flag"] or "--" + name.replace("_", "-")
+        flag = by_name[name].metadata.get("flag") or "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         else:
@@ -89,7 +89,7 @@ def test_every_field_reaches_the_config_from_serve_flags(name):
 
 
 def test_only_fields_turnout_sets_itself_have_no_flag():
-    assert {f.name for f in dataclasses.fields(EngineConfig) if not f.metadata["cli"]} == {"data_parallel_rank"}
+    assert {f.name for f in dataclasses.fields(EngineConfig) if not f.metadata.get("cli", True)} == {"data_parallel_rank"}
 
 
 def test_flag_defaults_are_the_fields_defaults():

@@ -36,18 +36,19 @@ def add_engine_args(p, *, exclude=(), defaults=None, helps=None, groups=None) ->
     defaults, helps, groups = defaults or {}, helps or {}, groups or {}
     hints = typing.get_type_hints(EngineConfig)
     for f in cli_fields(exclude):
-        meta = f.metadata
-        target = groups.get(meta["group"], p)
-        names = [meta["short"], _flag(f)] if meta["short"] else [_flag(f)]
-        kw = {"dest": f.name, "default": defaults.get(f.name, f.default), "help": helps.get(f.name, meta["help"])}
+        meta = f.metadata  # empty for a field declared without option(): a plain flag (tests/test_engine_options.py
+        # fails on its missing help)
+        target = groups.get(meta.get("group", "engine"), p)
+        names = [meta["short"], _flag(f)] if meta.get("short") else [_flag(f)]
+        kw = {"dest": f.name, "default": defaults.get(f.name, f.default), "help": helps.get(f.name, meta.get("help"))}
         kind = _base_type(hints[f.name])
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = kind
-            if meta["choices"]:
+            if meta.get("choices"):
                 kw["choices"] = list(meta["choices"])
-            if meta["metavar"]:
+            if meta.get("metavar"):
                 kw["metavar"] = meta["metavar"]
         target.add_argument(*names, **kw)
 
@@ -58,7 +59,7 @@ def engine_kwargs(args, exclude=()) -> dict:
     out = {}
     for f in cli_fields(exclude):
         value = getattr(args, f.name)
-        none_as = f.metadata["none_as"]
+        none_as = f.metadata.get("none_as")
         out[f.name] = None if none_as is not None and value == none_as else value
     return out
 
