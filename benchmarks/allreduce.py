@@ -1,5 +1,5 @@
 """all_reduce through turnout's collective op (torch.distributed on the platform's backend: NCCL on GPUs,
-gloo on CPU) against a device-to-device copy of the same bytes, measured in the same run (issue 19).
+gloo on CPU) against a device-to-device copy of the same bytes, measured in the same run.
 
     torchrun --nproc-per-node 2 benchmarks/allreduce.py --hidden 4096 --json out.json
     SMOKE: torchrun --nproc-per-node 2 benchmarks/allreduce.py --device cpu --sizes 1,8

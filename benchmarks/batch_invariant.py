@@ -1,4 +1,4 @@
-"""Batch-invariant mode against the default (issue 20's target: at most 20 % slower), dummy weights.
+"""Batch-invariant mode against the default (the target: at most 20 % slower), dummy weights.
 
     python benchmarks/batch_invariant.py                      # GPU: Qwen3-8B bf16; CPU: Qwen3-0.6B, smaller load
     python benchmarks/batch_invariant.py --model qwen3_30b_a3b --json out.json

@@ -18,8 +18,8 @@ not results (decode_step_ab.py checks logits). Parts:
 
 Left out on purpose: the split merge alone. Without it the attention output is uninitialised memory, the
 router sees NaN and every slot picks the same expert, which then hits in L2: the step gets faster for a
-reason that is not the merge (seen on the H200, seventh session). Prints one JSON line per part, then a
-table in µs per layer. Needs a CUDA GPU; MoE parts need an MoE model.
+reason that is not the merge (seen on the H200: docs/benchmarks.md, "where the batch-1 MoE step goes"). Prints one
+JSON line per part, then a table in µs per layer. Needs a CUDA GPU; MoE parts need an MoE model.
 """
 
 import argparse
@@ -63,10 +63,10 @@ def main() -> int:
     import turnout.layers.moe.layer as moe_layer
     import turnout.ops.triton.moe_decode as moe_decode
     from turnout import LLM
-    from turnout.worker.cuda_graphs import maybe_capture
     from turnout.entrypoints.bench_models import resolve_model
     from turnout.layers.moe.experts import FusedExperts
     from turnout.layers.moe.layer import Router
+    from turnout.worker.cuda_graphs import maybe_capture
 
     llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16", max_model_len=256,
               max_num_seqs=1, gpu_memory_utilization=0.6)

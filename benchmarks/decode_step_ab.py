@@ -4,16 +4,17 @@ each setting, time replays, check the logits.
     python benchmarks/decode_step_ab.py --model benchmarks/configs/qwen3_30b_a3b.json \
         --settings '[{}, {"TURNOUT_SMALL_M_TILES": "{\"2048,4096\": [8, 1024, 4, 4]}"}, {"TURNOUT_PDL": "0"}]'
 
-A setting is a set of environment variables (re-read through ``turnout.envs.reload()`` before each capture, and
-looked up when kernels launch, hence at capture): ``TURNOUT_PDL``,
-and the tile overrides of turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``,
-``TURNOUT_MOE_DECODE_CONFIG``). Model switches are also accepted: ``"model:fused_prenorm": "0"`` captures
-the step with the plain pre-norm kernels instead of norms fused into the projections (the fusion plan's
-``prenorm_linear``), ``"model:rope_attention": "0"`` with q/k norm, RoPE and the cache write in their own
-kernel instead of inside the attention kernel (``rope_attention``; on unless ``TURNOUT_ROPE_ATTENTION=0`` at
-start-up); "1" turns either on where the op table allows it. A model's fusions are fixed when it is built
-(turnout/layers/fusion.py), so a switch builds the model again with the other plan, on the meta device,
-sharing the loaded model's weights (no copy).
+A setting is a set of environment variables: ``TURNOUT_PDL`` (re-read through ``turnout.envs.reload()``
+before each capture, and looked up when kernels launch, hence at capture), and the tile overrides of
+turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``, ``TURNOUT_MOE_DECODE_CONFIG``), which the op table
+binds into the kernels when it is resolved: a setting that has them gets an op table of its own
+(``resolve(..., tuning=envs.load(environ))``) and the model built again on it, as a model switch is. Model
+switches are also accepted: ``"model:fused_prenorm": "0"`` captures the step with the plain pre-norm kernels
+instead of norms fused into the projections (the fusion plan's ``prenorm_linear``), ``"model:rope_attention": "0"``
+with q/k norm, RoPE and the cache write in their own kernel instead of inside the attention kernel
+(``rope_attention``; on unless ``TURNOUT_ROPE_ATTENTION=0`` at start-up); "1" turns either on where the op table
+allows it. A model's fusions are fixed when it is built (turnout/layers/fusion.py), so a switch builds the model
+again with the other plan, on the meta device, sharing the loaded model's weights (no copy).
 A kernel's best tile alone is not always its best tile in the step, where it overlaps its neighbours (PDL)
 and shares L2 with them; this measures the step itself, in one process, so settings are compared on the same
 weights, GPU and clocks (the docs/benchmarks.md fourth-session tiles came from here).
@@ -41,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 MODEL_SWITCHES = ("model:fused_prenorm", "model:rope_attention")
+TILE_VARIABLES = ("TURNOUT_SMALL_M_TILES", "TURNOUT_MOE_DECODE_CONFIG")  # bound by the op table, not read at launch
 
 
 def _settings(text: str) -> list[dict]:
@@ -107,9 +109,9 @@ def main() -> int:
 
     from benchmarks.common import graph_replay_rounds
     from turnout import LLM, envs
-    from turnout.worker.cuda_graphs import maybe_capture
     from turnout.entrypoints.bench_models import resolve_model
     from turnout.utils.roofline import copy_bandwidth, model_geometry
+    from turnout.worker.cuda_graphs import maybe_capture
 
     llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len,
               max_num_seqs=args.batch, gpu_memory_utilization=0.6)
@@ -120,6 +122,7 @@ def main() -> int:
     copy_gb_s = copy_bandwidth(runner.device)  # GB/s
     base_env = dict(os.environ)
     from turnout.layers.fusion import plan_fusions
+    from turnout.ops import resolve
 
     base_model = runner.model
     base_plan = base_model.plan
@@ -132,11 +135,13 @@ def main() -> int:
         os.environ.update(base_env)
         os.environ.update({k: v for k, v in setting.items() if not k.startswith("model:")})
         envs.reload()  # turnout reads the environment once; the kernels see this setting from the next capture
+        tiles = any(k in TILE_VARIABLES for k in setting)
+        ops = resolve(runner.ops.platform, runner.ops.policy, tuning=envs.get()) if tiles else runner.ops
         fused = setting.get("model:fused_prenorm", "1") != "0" and fused_available
         rope = setting.get("model:rope_attention", "1" if base_plan.rope_attention else "0") == "1" and rope_available
         plan = dataclasses.replace(base_plan, prenorm_linear=fused, prenorm_pays=possible.prenorm_pays if fused else None,
                                    rope_attention=rope)
-        runner.model = base_model if plan == base_plan else _rebuilt(base_model, runner.ops, plan)
+        runner.model = base_model if plan == base_plan and not tiles else _rebuilt(base_model, ops, plan)
         runner.graphs = None
         gc.collect()
         torch.cuda.empty_cache()

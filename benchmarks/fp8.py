@@ -1,4 +1,4 @@
-"""FP8 on the GPU (issue 23): the kernels alone, then the engine in fp8 beside bf16 and HF bf16.
+"""FP8 on the GPU: the kernels alone, then the engine in fp8 beside bf16 and HF bf16.
 
 Parts (``--parts``, comma-separated; each writes OUTDIR/<part>.json as soon as it is measured, and
 OUTDIR/fp8_summary.json collects the ratios the issue asks for):
@@ -104,7 +104,7 @@ def kernels(args) -> dict:
                                    "bf16_small_m_GB_s": 2 * n * k / s_bf16 / 1e9,
                                    "fp8_row_us": s_fp8 * 1e6, "bf16_us": s_bf16 * 1e6}
             print(f"decode {name}: " + ", ".join(f"{a} {b:.1f}" for a, b in out["decode"][name].items()), flush=True)
-        del x, w, wq_row, wq_blk, xq, xg, wb
+        x = w = wq_row = wq_blk = xq = xg = wb = None  # free the memory now (not del: the closures above name them)
         torch.cuda.empty_cache()
     square = out["gemm"]["square 8192"]
     out["fp8_gemm_TFLOP_s"] = max(v for key, v in square.items() if "torch.mm" not in key and key.endswith(("mm",
@@ -153,7 +153,8 @@ def throughput(args) -> dict:
 
 def throughput_kv(args) -> dict:
     """fp8 weights and an fp8 KV cache: a decode step at ~500 sequences reads the whole cache once (two thirds of
-    the bf16-cache step, docs/benchmarks.md eleventh session), so the cache's bytes bound the 16,000 tok/s target."""
+    the bf16-cache step, docs/benchmarks.md, "KV swaps as one kernel a layer"), so the cache's bytes bound the
+    16,000 tok/s target."""
     thr = [*THR, "--num-prompts", str(args.num_prompts), "--kv-cache-dtype", "fp8"]
     return {"fp8": _bench(args, "throughput_fp8_kv", [*thr, *FP8], 280)}
 

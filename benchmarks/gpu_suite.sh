@@ -20,7 +20,7 @@
 #   prefill        turnout bench latency, 8 x 2048 in / 1 out: prefill TFLOP/s                         35 s
 #   hf_peer        HF transformers on identical weights: batch-1 eager/static, throughput, greedy     100 s
 #   moe_b1         turnout bench latency, MOE_MODEL (Qwen3-30B-A3B dummy) batch 1, 128 in / 128 out     55 s
-#   moe_b64        the same at batch 64 (issue #6: >= 10x HF)                                          55 s
+#   moe_b64        the same at batch 64 (the target: >= 10x HF)                                        55 s
 #   hf_moe         HF on identical MoE weights: batch-1 eager, and one batch of 64 x (128 in / 128 out) 100 s
 # A peer runs in the same part as the benchmarks it is compared with, so each call's summary has its
 # ratios. After every step OUTDIR/summary.json is rewritten (benchmarks/gpu_suite_summary.py; it reads

@@ -60,7 +60,7 @@ def bench_decode_attention(batch, context, hq=32, hk=8, d=128, bs=16, with_refer
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
     copy_gbps = 2 * kv_bytes / copy_ms / 1e6  # read + write
-    del src, dst
+    src = dst = None  # free the memory now (not del: the closures above name them)
 
     n_sms = attention._num_sms(torch.device(device).type, 0)
     chosen = attention.choose_num_splits(batch, hk, 1, context, n_sms)
@@ -83,7 +83,7 @@ def bench_decode_attention(batch, context, hq=32, hk=8, d=128, bs=16, with_refer
         add("torch SDPA (dense KV)", ms, "enable_gqa")
     except Exception as e:  # an older torch without enable_gqa
         add("torch SDPA (dense KV)", float("nan"), f"failed: {type(e).__name__}")
-    del k, v
+    k = v = None  # free the memory now (not del: the closures above name them)
     if with_reference:
         ms = do_bench(lambda: reference(*args), warmup=2, rep=300, return_mode="median")
         add("reference.torch", ms, "per-sequence loop")

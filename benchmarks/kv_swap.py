@@ -1,4 +1,4 @@
-"""The KV swap ops alone on a GPU (issue 21): each implementation of ``swap_layer`` / ``swap_layer_async``
+"""The KV swap ops alone on a GPU: each implementation of ``swap_layer`` / ``swap_layer_async``
 moving scattered and consecutive blocks between the device cache and pinned host blocks, beside the
 ceiling (one DMA of the same bytes, contiguous, measured in the same run), and how much of a per-layer
 async swap-in hides behind a forward-like load (one GEMM per layer on the compute stream, each layer

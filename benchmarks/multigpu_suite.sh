@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19 in one call on a machine with several GPUs (nvidia-h200-x2 or -x4): correctness of TP / EP on
+# Multi-GPU checks in one call on a machine with several GPUs (nvidia-h200-x2 or -x4): correctness of TP / EP on
 # NCCL against one rank, then speed, each step under `timeout`, one JSON summary (OUTDIR/summary.json).
 #
 #   benchmarks/multigpu_suite.sh OUTDIR            # TP=2 (TP=${TP:-2})

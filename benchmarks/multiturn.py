@@ -1,4 +1,4 @@
-"""KV tiers under a multi-turn chat load (issue 21), through the Python API (LLMEngine add_request / step).
+"""KV tiers under a multi-turn chat load, through the Python API (LLMEngine add_request / step).
 
 Multi-turn: N conversations x T turns, a shared system prompt and growing history (turn t's prompt is the
 system prompt, every earlier user message and answer, and a new user message); turn t+1 of a conversation
@@ -125,7 +125,7 @@ def multiturn(args, offload_gb: float) -> dict:
          "kv_tiers": tier_report(s, before, eng.runner.kv_transfer)}
     if overlap is not None:
         r["overlap"] = overlap
-    del llm, eng
+    llm = eng = None  # the engine freed before the next run (not del: the closure add names eng)
     gc.collect()
     return r
 
@@ -183,7 +183,7 @@ def main() -> None:
     args.load_format = "dummy" if bundled else "auto"
     args.block_bytes = block_bytes(args.path, args.dtype, args.block_size)
     cfg = _load_config(resolve_source(args.path, config_only=True))
-    args.vocab = getattr(getattr(cfg, "text_config", cfg), "vocab_size")
+    args.vocab = getattr(cfg, "text_config", cfg).vocab_size
     bs, gib = args.block_size, 2**30
     args.final_len = args.system + args.turns * (args.user + args.answer)
     per_conv = -(-args.final_len // bs)

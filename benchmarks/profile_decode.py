@@ -32,8 +32,8 @@ def main():
                          "waits for the host when wall time exceeds GPU busy time)")
     args = ap.parse_args()
     # Sequences that finish their prefill decode while the others' chunks run, so the prefill takes more steps
-    # than batch * input_len / 2048 (137 against 128 at 256 x 1024): warm up until every sequence decodes (the
-    # twelfth session's batch-256 numbers timed 5 prefill steps among 16 before this), then 4 steps more.
+    # than batch * input_len / 2048 (137 against 128 at 256 x 1024): warm up until every sequence decodes (timing
+    # from a fixed step counted prefill steps into decode at batch 256), then 4 steps more.
     prefill_steps = 2 * (args.batch * args.input_len) // 2048 + args.batch + 8  # an upper bound
     max_tokens = prefill_steps + 4 + 3 * args.steps + 8  # warm, wall, host profile, torch profiler
     llm = LLM(resolve_model(args.model)[0], load_format="dummy", dtype="bfloat16",
@@ -45,7 +45,7 @@ def main():
     for i in range(args.batch):
         eng.add_request(str(i), torch.randint(0, 1000, (args.input_len,), generator=g).tolist(), p)
     sched = eng.core.scheduler
-    for n in range(prefill_steps):
+    for n in range(prefill_steps):  # noqa: B007 - read after the loop: the steps the prefill took
         eng.step()
         if (not sched.waiting and len(sched.running) == args.batch
                 and all(seq.num_computed_tokens >= args.input_len for seq in sched.running)):

@@ -1,4 +1,4 @@
-"""The RL rollout numbers of issue 20 on a GPU: memory handed back by sleep(1), wake_up time, and a full weight
+"""The RL rollout numbers on a GPU: memory handed back by sleep(1), wake_up time, and a full weight
 update from another process by CUDA IPC buckets.
 
 One engine (dummy weights) per model. Measured, in this order:

@@ -39,7 +39,7 @@ def engine_rows(llm, batch: int, steps: int, reps: int) -> list[dict]:
     tok = llm.get_tokenizer()
     prompt = tok.encode("Write a long story about a lighthouse keeper and the sea.")
     json_so = StructuredOutputsParams(json=_schema(16 * steps))
-    regex_so = StructuredOutputsParams(regex=r"[a-z ,.]{%d,}" % (16 * steps))
+    regex_so = StructuredOutputsParams(regex=rf"[a-z ,.]{{{16 * steps},}}")
 
     def params(so, i):
         return SamplingParams(temperature=0.8, seed=i, max_tokens=steps, min_tokens=steps, ignore_eos=True,

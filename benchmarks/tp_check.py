@@ -1,4 +1,4 @@
-"""Tensor parallelism against one rank on the same machine (issue 19's correctness step; NCCL on GPUs).
+"""Tensor parallelism against one rank on the same machine (its correctness check; NCCL on GPUs).
 
     python benchmarks/tp_check.py --tp 2 --json out.json               # GPU: tiny random fp32 models + Qwen3-8B dummy bf16
     python benchmarks/tp_check.py --tp 2 --device cpu --skip-large      # SMOKE on CPU over gloo

@@ -1,5 +1,8 @@
 """One A/B process (benchmarks/tree_ab.sh): greedy tokens, batch-1 and batch-64 decode ms/step of the turnout tree on PYTHONPATH, dummy bf16 weights. Same-run comparison of two trees; the peer and ceilings are in gpu_suite.sh."""
-import json, sys, time
+import json
+import sys
+import time
+
 from turnout import LLM, SamplingParams
 from turnout.entrypoints.bench_models import resolve_model
 

@@ -1,4 +1,4 @@
-"""A colocated RL loop with turnout as the rollout engine (issue 20), small enough to run on a laptop CPU.
+"""A colocated RL loop with turnout as the rollout engine, small enough to run on a laptop CPU.
 
 The trainer is a transformers model (a tiny random Qwen3 unless ``--model`` names one); the task is a toy one
 (reward: the share of its tokens below ``--below``). Each step: turnout samples, the engine sleeps while

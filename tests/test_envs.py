@@ -1,6 +1,7 @@
 """turnout/envs.py: every variable parsed once, typed; a bad value is a ValueError naming the variable; the
 docs table lists every variable; nothing else in turnout/ reads the environment."""
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def test_typed_values(tmp_path):
     # an empty value is unset, except TURNOUT_PDL_EARLY, where empty means "no kernel" (unset: the default)
     blank = envs.load({name: "" for name in envs.VARIABLES})
     assert blank == envs.Envs(pdl_early=frozenset())
-    with pytest.raises(Exception):  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
         e.pdl = True
 
 

@@ -1,79 +1,121 @@
-"""Engine configuration: one frozen dataclass, validated once."""
+"""Engine configuration: one frozen dataclass, validated once.
+
+Each field carries its documentation in its metadata (``option(...)``): the help text, and where the
+command line differs from the field, its flag, a short alias, choices or a metavar. ``LLM(**options)``
+(turnout/engine/llm.py) and the engine flags of `turnout serve / generate / bench`
+(turnout/entrypoints/engine_args.py) are made from these fields, so a new field is a new keyword argument
+and a new flag with its --help text, and nothing else needs to list it. ``engine_config(**options)`` takes
+them by name: a mistyped name is refused with the field it was probably meant to be, and vLLM's options that
+change nothing in turnout are accepted with a note, so a vLLM command line or script runs as it is.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import difflib
+import logging
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("turnout.config")
+
+
+def option(default, help: str, *, flag: str | None = None, short: str | None = None, choices=None,
+           metavar: str | None = None, group: str = "engine", cli: bool = True, none_as=None):
+    """A field with its documentation. ``flag``: the long flag when it is not --field-name; ``short``: an alias
+    (-tp); ``group``: where serve's --help shows it (model or engine); ``cli=False``: no flag (set by
+    turnout itself); ``none_as``: the flag value that stands for None (0 for "no cap")."""
+    return field(default=default, metadata={"help": help, "flag": flag, "short": short, "choices": choices,
+                                            "metavar": metavar, "group": group, "cli": cli, "none_as": none_as})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct GGUF)
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    device: str = "auto"
-    max_model_len: int | None = None
-    # Sequences decoded at once. None: what the KV cache holds at max_model_len, in [256, 1024]
-    # (turnout/engine/concurrency.py), resolved once the cache is sized
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; CPU default 1 GiB
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy
-    seed: int = 0
-    ops_policy: str | None = None
-    # A request's tokens and logprobs bitwise the same whatever else is batched with it (batch size, chunked
-    # prefill split, prefix-cache hit): batch-invariant op implementations only (turnout/ops/batch_invariant.py)
-    batch_invariant: bool = False
-    enforce_eager: bool = False  # no CUDA graphs
-    # Launch the next decode step before this one's tokens reach the host, so the host work of a step
-    # (scheduling, metadata, detokenising) overlaps the device's work. None: on where the device runs
-    # asynchronously to the host (GPUs), off on CPU (where it changes nothing but the order of work).
-    async_scheduling: bool | None = None
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    # The most one request may cost, in tokens: n x (prompt + max_tokens) plus its logprob entries
-    # (n x max_tokens x (1 + logprobs)); a request over it is refused at admission. None: no limit.
-    max_tokens_per_request: int | None = None
-    # Fair scheduling: while other requests have work, one request runs at most this many of its
-    # sequences per step (or as many as the largest other request, if more), round-robin among them, so
-    # an n=128 request cannot make everyone's steps slow (engine/scheduler.py). None: no cap.
-    fair_share_seqs: int | None = 16
-    # Tensor parallelism: the model split over this many ranks (devices) of this machine; the executor
-    # (turnout/executor) runs them: uniproc for one rank, mp (a process per rank) for several.
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # None: uniproc for one rank, mp for several; or ray
-    # Several machines (turnout/executor/multinode.py): tensor_parallel_size / nnodes ranks on each; node 0 runs
-    # the engine, nodes 1.. `turnout serve --headless`; rank 0's rendezvous store listens on master_addr:port.
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    ray_address: str | None = None  # the ray executor's cluster (None: $RAY_ADDRESS, else a local one)
-    # Seconds a tensor-parallel collective (and so a step) may wait for a peer rank before the step fails
-    # naming the rank that hangs (the TP process group's timeout, and the mp executor's step watchdog).
-    distributed_timeout_s: float = 300.0
-    # Data parallelism (turnout/engine/dp.py, the server): this many engine replicas, each its own process
-    # with tensor_parallel_size ranks; replica r uses devices [r tp, (r + 1) tp). data_parallel_rank is r,
-    # set by the DP client for each replica's engine.
-    data_parallel_size: int = 1
-    data_parallel_rank: int = 0
-    # MoE models: the tensor-parallel ranks split the routed experts by expert id (rank r holds experts
-    # [r E/W, (r+1) E/W)) instead of each expert's intermediate dim; attention stays TP-sharded.
-    enable_expert_parallel: bool = False
-    # KV tiers (docs/architecture.md, "KV tiers"). How a sequence gives up its blocks when the cache is full:
-    # "recompute" (free them, prefill again later), "swap" (copy them to the host pool, copy them back
-    # before it runs again) or "auto" (swap where moving the blocks costs less than recomputing them, from
-    # the copy bandwidth and prefill rate measured at start-up; recompute where no swap op can run here).
-    preemption_mode: str = "auto"
-    swap_space: float = 4.0  # GiB of host memory (pinned on GPUs) for swapped-out blocks; 0: no swapping
-    kv_offload_gb: float = 0.0  # GiB of host memory for prefix blocks evicted from the device; 0: no host tier
-    # "fp8": quantise an unquantised checkpoint's linear weights at load (per-channel scales, activations per
-    # token; turnout/quant). None: as the checkpoint is (an fp8 checkpoint's quantization_config is read anyway).
-    quantization: str | None = None
-    # The KV cache's storage: "auto" (the model's dtype) or "fp8" (e4m3fn with per-layer k/v scales: half the
-    # bytes per token, twice the tokens; turnout/ops/kv_cache.py)
-    kv_cache_dtype: str = "auto"
+    model: str | None = option(
+        None, "HF model id, local directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        group="model")
+    dtype: str = option("auto", "the weights' and activations' dtype: auto (the checkpoint's), float32, float16 "
+                        "or bfloat16", group="model")
+    device: str = option("auto", "auto, cpu, cuda, ...")
+    max_model_len: int | None = option(
+        None, "context length; longer requests are refused (default: the model's)")
+    max_num_seqs: int | None = option(
+        None, "sequences generated at once (default: as many as the KV cache holds at --max-model-len, 256 to "
+        "1024; turnout/engine/concurrency.py)")
+    max_num_batched_tokens: int = option(
+        2048, "tokens in one step: a longer prompt is prefilled in chunks of this many")
+    block_size: int = option(16, "tokens in one KV-cache block (a power of two)")
+    kv_cache_memory: int | None = option(None, "KV-cache bytes (default: what the memory utilization leaves on "
+                                         "a GPU, 1 GiB on CPU)")
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory for weights + KV cache")
+    enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
+    load_format: str = option("auto", "how to read the weights", choices=("auto", "safetensors", "gguf", "dummy"),
+                              group="model")
+    seed: int = option(0, "seed of requests that give none", group="model")
+    ops_policy: str | None = option(None, "op dispatch policy (as TURNOUT_OPS; docs/ops.md)")
+    batch_invariant: bool = option(
+        False, "a request's tokens and logprobs bitwise the same whatever else is batched with it (batch size, "
+        "chunked prefill, prefix-cache hits): batch-invariant kernels only (turnout/ops/batch_invariant.py); "
+        "slower")
+    enforce_eager: bool = option(False, "no CUDA graphs")
+    # None: on where the device runs asynchronously to the host (GPUs); on CPU it would change nothing but the
+    # order of work.
+    async_scheduling: bool | None = option(
+        None, "launch the next decode step before the last one's tokens are read back, so the host's work of "
+        "a step overlaps the device's (default: on for GPUs, off on CPU)")
+    tokenizer: str | None = option(None, "a tokenizer other than the model's", group="model")
+    served_model_name: str | None = option(None, "the name the model answers to in the API", group="model")
+    max_tokens_per_request: int | None = option(
+        None, "the most one request may cost: n x (prompt + max_tokens) plus its logprob entries (n x "
+        "max_tokens x (1 + logprobs)); more is refused at admission (default: no limit)")
+    fair_share_seqs: int | None = option(
+        16, "while others wait, one request runs at most this many of its sequences a step (or as many as "
+        "the largest other request), round-robin, so an n=128 request cannot slow everyone's steps (0: no cap)",
+        none_as=0)
+    tensor_parallel_size: int = option(
+        1, "split the model over this many ranks (devices) of this machine (a process per rank)", short="-tp")
+    distributed_executor_backend: str | None = option(
+        None, "what runs the ranks: uniproc (one rank, in-process), mp (a process per rank on this machine) or "
+        "ray (Ray actors; pip install 'turnout[ray]'); default: uniproc for one rank, mp for several",
+        choices=("uniproc", "mp", "ray"))
+    # Several machines (turnout/executor/multinode.py): tensor_parallel_size / nnodes ranks on each.
+    nnodes: int = option(1, "machines the -tp ranks span (-tp / nnodes ranks each); node 0 runs the engine, the "
+                         "others `turnout serve ... --headless`")
+    node_rank: int = option(0, "this machine's place among the --nnodes (0: the engine)")
+    master_addr: str = option(
+        "127.0.0.1", "node 0's address on the cluster network: its rendezvous store listens there, and only there")
+    master_port: int = option(29500, "the rendezvous port on --master-addr")
+    ray_address: str | None = option(
+        None, "the Ray cluster of --distributed-executor-backend ray (default: $RAY_ADDRESS, else the cluster "
+        "`ray start` left on this machine, else a local Ray instance)")
+    distributed_timeout_s: float = option(
+        300.0, "how long a tensor-parallel step may wait for a peer rank before it fails naming the rank that "
+        "hangs (the process group's collective timeout and the step watchdog)",
+        flag="--distributed-timeout", metavar="SECONDS")
+    # Data parallelism (turnout/engine/dp.py, the server): replica r uses devices [r tp, (r + 1) tp).
+    data_parallel_size: int = option(
+        1, "engine replicas behind this server, each its own process with -tp ranks (replica r on devices "
+        "[r tp, (r + 1) tp)); requests go to the least loaded replica", short="-dp")
+    data_parallel_rank: int = option(0, "this replica's index, set by the data-parallel client for each "
+                                     "replica's engine", cli=False)
+    enable_expert_parallel: bool = option(
+        False, "MoE models: the tensor-parallel ranks split the routed experts by expert id (rank r holds "
+        "experts [r E/W, (r+1) E/W)), not by intermediate dim; attention stays TP-sharded")
+    # KV tiers (docs/architecture.md, "KV tiers"); "auto" measures the copy bandwidth and prefill rate at
+    # start-up, and recomputes where no swap op can run here.
+    preemption_mode: str = option(
+        "auto", "when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)",
+        choices=("recompute", "swap", "auto"))
+    swap_space: float = option(4.0, "GiB of host memory (pinned on GPUs) for swapped-out KV blocks; 0: no "
+                               "swapping")
+    kv_offload_gb: float = option(0.0, "GiB of host memory for prefix blocks evicted from the device (0: no "
+                                  "host tier)")
+    quantization: str | None = option(
+        None, "fp8: quantise the linear weights of an unquantised checkpoint at load (per-channel scales, "
+        "activations per token; turnout/quant); an fp8 checkpoint is read as it is without it", choices=("fp8",))
+    kv_cache_dtype: str = option(
+        "auto", "the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 with per-layer k/v scales, 1.0 "
+        "or the checkpoint's: half the bytes per token, twice the tokens held; turnout/ops/kv_cache.py)",
+        choices=("auto", "fp8"))
 
     def __post_init__(self):
         def bad(field, why):
@@ -151,3 +193,63 @@ class EngineConfig:
             bad("batch_invariant", "not with quantization (the quantised GEMMs have no batch-invariant kernel)")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             bad("load_format", f"unknown load format {self.load_format!r} (auto, safetensors, gguf, dummy)")
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+
+@dataclass(frozen=True)
+class VllmNoOp:
+    """A vLLM option turnout accepts without effect. ``accepts``: the values that mean nothing here (a flag's:
+    True); another value is refused with ``refusal``, because it would ask for something turnout does not do."""
+
+    why: str
+    accepts: tuple = (True,)
+    refusal: str = ""
+    metavar: str | None = None  # an option that takes a value (not a flag)
+    server: bool = False  # a flag of `vllm serve` only (not of vLLM's LLM / EngineArgs)
+
+
+VLLM_NOOPS = {
+    "disable_log_requests": VllmNoOp("turnout logs no line per request", server=True),
+    "disable_log_stats": VllmNoOp("turnout logs no periodic statistics (they are on /metrics)"),
+    "disable_uvicorn_access_log": VllmNoOp("turnout's server writes no access log", server=True),
+    "disable_frontend_multiprocessing": VllmNoOp("turnout's server runs no front-end process of its own",
+                                                 server=True),
+    "enable_chunked_prefill": VllmNoOp(
+        "turnout always prefills a long prompt in chunks of max_num_batched_tokens",
+        refusal="turnout has no unchunked prefill: a prompt longer than max_num_batched_tokens is always chunked"),
+    "generation_config": VllmNoOp(
+        "turnout's request defaults are its own (vLLM's 'vllm' mode): the model's generation_config.json "
+        "sets no default temperature, top_p or top_k", accepts=("auto", "vllm"), metavar="{auto,vllm}",
+        refusal="a folder's generation_config.json is not applied by turnout (its defaults are vLLM's own, "
+        "as with 'vllm'); give 'auto' or 'vllm', or leave it out, and set sampling parameters per request"),
+}
+
+
+def unknown_option(name: str, known, spell=lambda n: n) -> ValueError:
+    """The error for an option nobody knows, naming the nearest known one. ``spell`` writes a name as the
+    caller's user typed it (a field for LLM, a --flag on a command line)."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"; did you mean {spell(close[0])!r}?" if close else ""
+    return ValueError(f"unknown option {spell(name)!r}{hint}")
+
+
+def note_vllm_noop(name: str, value, spell=lambda n: n) -> None:
+    """Log that vLLM option ``name`` changes nothing here, or refuse a value that would ask for something."""
+    noop = VLLM_NOOPS[name]
+    if value in noop.accepts or (value is False and not noop.refusal):  # turning a no-op off: no-op too
+        logger.info("%s=%s: accepted for vLLM compatibility, no effect: %s", spell(name), value, noop.why)
+        return
+    raise ValueError(f"{spell(name)}: {value!r} is not supported: {noop.refusal or noop.why}")
+
+
+def engine_config(**options) -> EngineConfig:
+    """EngineConfig from keyword options: unknown names are an error naming the closest field; vLLM's no-op
+    options are noted and dropped."""
+    for name in list(options):
+        if name in VLLM_NOOPS and not VLLM_NOOPS[name].server:
+            note_vllm_noop(name, options.pop(name))
+        elif name not in FIELDS:
+            raise unknown_option(name, FIELDS)
+    return EngineConfig(**options)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from turnout.worker.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets, is_graphable
 from turnout.layers.attention import AttentionMetadata
+from turnout.worker.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets, is_graphable
 
 TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,

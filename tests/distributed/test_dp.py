@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from serve_helpers import Serve, gone, save_tiny
 
+from serve_helpers import Serve, gone, save_tiny
 from turnout.engine.dp import PREFIX_SLACK, Router
 
 

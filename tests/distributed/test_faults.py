@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 import torch.multiprocessing as tmp
-from serve_helpers import Serve, gone, save_tiny
 
+from serve_helpers import Serve, gone, save_tiny
 from turnout import SamplingParams
 from turnout.config import EngineConfig
 
@@ -101,7 +101,7 @@ def _rank(rank, path, seeds):
         raise SystemExit(0)
     except ValueError as e:
         assert "seed=5 (rank 0: 0)" in str(e) and "node_rank" not in str(e), str(e)
-        raise SystemExit(3)
+        raise SystemExit(3) from None
     finally:
         destroy_distributed()
 

@@ -19,11 +19,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import moe_ranks  # noqa: E402  (tests/distributed is on sys.path, as pytest puts a test file's directory)
 from turnout.distributed import TPGroup, free_port
 from turnout.ops import resolve
 from turnout.platforms.detect import detect_platform
-
-import moe_ranks  # noqa: E402  (tests/distributed is on sys.path, as pytest puts a test file's directory)
 
 WORLD = 2
 STEPS = 32

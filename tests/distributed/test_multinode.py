@@ -12,8 +12,8 @@ import sys
 
 import pytest
 import torch
-from tiny_tok_model import write_tiny_model  # tests/distributed is on sys.path (pytest's rootdir rule)
 
+from tiny_tok_model import write_tiny_model  # tests/distributed is on sys.path (pytest's rootdir rule)
 from turnout.distributed import free_port
 
 PROMPT = "t5 t17 t3 t250 t9 t9 t40"

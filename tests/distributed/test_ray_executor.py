@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from tiny_tok_model import write_tiny_model  # tests/distributed is on sys.path
 
+from tiny_tok_model import write_tiny_model  # tests/distributed is on sys.path
 from turnout import LLM, SamplingParams
 
 KW = dict(device="cpu", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True)

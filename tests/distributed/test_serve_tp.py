@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+
 from serve_helpers import Serve, gone, save_tiny
 
 openai = pytest.importorskip("openai")

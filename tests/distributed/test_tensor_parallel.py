@@ -11,19 +11,18 @@ implementations) at batch 1 under TP=2 against the unfused TP=1 model."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
-import pytest
 import transformers
 
+import tp_ranks  # noqa: E402  (tests/distributed is on sys.path, as pytest puts a test file's directory)
 from turnout.distributed import SINGLE, free_port
 from turnout.layers.embedding import LMHead, VocabEmbedding
 from turnout.layers.linear import RowParallelLinear
 from turnout.ops import resolve
 from turnout.ops.reference import collectives
 from turnout.platforms.detect import detect_platform
-
-import tp_ranks  # noqa: E402  (tests/distributed is on sys.path, as pytest puts a test file's directory)
 
 WORLD = 2
 STEPS = 4

@@ -98,8 +98,9 @@ def test_swap_preemption_with_fp8(checkpoint, engines):
 
 
 def test_checkpoint_scales(checkpoint, tmp_path):
-    from safetensors.torch import load_file, save_file
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     path = tmp_path / "scaled"
     shutil.copytree(checkpoint, path)

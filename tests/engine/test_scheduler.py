@@ -8,8 +8,8 @@ the sequence's seed, so the outputs must not depend on the batching, the KV budg
 """
 
 import random
-import sys
 import subprocess
+import sys
 
 import pytest
 
@@ -190,7 +190,7 @@ def test_fcfs_order():
     first_step = {}
     while eng.sched.has_unfinished():
         eng.step()
-        for rid, _, start, _, _ in eng.steps[-1]:
+        for rid, *_ in eng.steps[-1]:
             first_step.setdefault(rid, len(eng.steps))
     order = sorted(first_step, key=lambda r: (first_step[r], r))
     assert order == [f"r{i}" for i in range(5)]

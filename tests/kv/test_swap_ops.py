@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnout.worker.kv_transfer import choose_strategy
 from turnout.ops import Impl, OpUnavailableError, Policy, build_registry, resolve
 from turnout.ops.dispatch import summary_line
 from turnout.platforms import detect_platform
+from turnout.worker.kv_transfer import choose_strategy
 
 CPU = detect_platform("cpu")
 

@@ -7,7 +7,7 @@ import transformers
 
 from turnout.layers.norm import RMSNorm
 from turnout.loader import load_model
-from turnout.loader.weight_map import map_weight_name, _compile_rules
+from turnout.loader.weight_map import _compile_rules, map_weight_name
 from turnout.ops import resolve
 from turnout.platforms.detect import detect_platform
 

@@ -41,7 +41,7 @@ def _k_blocks(kind, rows: int) -> tuple[np.ndarray, float]:
 
 def _write(path, tensors: dict[str, tuple[np.ndarray, Q, tuple[int, int]]]) -> None:
     w = GGUFWriter(str(path), "llama")
-    for name, (data, qtype, shape) in tensors.items():
+    for name, (data, qtype, _) in tensors.items():
         w.add_tensor(name, data, raw_shape=None if qtype in (Q.F32, Q.F16) else data.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

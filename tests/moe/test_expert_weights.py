@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from turnout.layers.moe.experts import FusedExperts, expert_weight_rules
-from turnout.loader.weight_map import load_weights, map_weight_name
-from turnout.loader.weight_map import _compile_rules
+from turnout.loader.weight_map import _compile_rules, load_weights, map_weight_name
 
 
 class _Holder(torch.nn.Module):

@@ -1,6 +1,6 @@
 """Every available ``moe_experts`` implementation equals the reference, given the same routing.
 
-Seed 001: a backend that recomputed top-k threw away a learnable per-expert scale. Here each backend is
+A backend that recomputed top-k would throw away the learnable per-expert scale. So each backend is
 fed routings that a recomputation would change (ids that are not the top-k of the scores, weights scaled
 per expert) and must reproduce the reference computed with exactly those ids and weights.
 """
@@ -111,7 +111,7 @@ def _random_block(gen, dtype, **kw):
     cfg = RoutingConfig(num_experts=e, top_k=3, renormalize=True, routed_scaling_factor=1.5, has_per_expert_scale=True)
     block = SparseMoeBlock(h, inter, cfg, _ops_pinned("reference.torch"), **kw).to(DEVICE)
     with torch.no_grad():
-        for name, p in block.named_parameters():
+        for p in block.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
         block.gate.per_expert_scale.copy_(torch.rand(e, generator=gen) * 3 + 0.2)
     return block.to(dtype)
@@ -265,6 +265,6 @@ def test_grouped_mm_probe_degrades_with_a_reason(monkeypatch):
     cand = next(c for c in res.candidates if c.impl == "vendor.cuda")
     if PLATFORM.name != "cuda":
         assert not cand.available and "cuda" in cand.reason
-    monkeypatch.delattr(torch, "_grouped_mm", raising=False)  # a torch that renamed it (seed 002)
+    monkeypatch.delattr(torch, "_grouped_mm", raising=False)  # a torch that renamed it: unavailable, not a crash
     with pytest.raises(ImplUnavailable, match="_grouped_mm"):
         vendor_moe.load()

@@ -60,29 +60,25 @@ def test_decode_forced_many_pairs_per_expert(dtype):
     _check(moe_experts_decode(x, w13, w2, weights, ids, config=cfg), x, w13, w2, weights, ids, dtype)
 
 
-def test_decode_config_from_the_environment(monkeypatch):
-    """TURNOUT_MOE_DECODE_CONFIG replaces DecodeConfig fields (in-step tuning); unknown fields and bad JSON
-    are ValueErrors naming the variable."""
+def test_decode_config_overrides():
+    """TURNOUT_MOE_DECODE_CONFIG replaces DecodeConfig fields (in-step tuning; the op table binds the result:
+    tests/ops/test_tuning_binding.py); unknown fields and bad JSON are ValueErrors naming the variable."""
+    from turnout import envs
     from turnout.ops.triton import moe_decode
 
-    from turnout import envs
+    def config(text):
+        return moe_decode.decode_config(envs.load({"TURNOUT_MOE_DECODE_CONFIG": text}).moe_decode_config)
 
-    monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", '{"block_n2": 16, "block_k2": 16, "num_stages2": 1}')
-    envs.reload()
-    cfg = moe_decode._env_config()
+    cfg = config('{"block_n2": 16, "block_k2": 16, "num_stages2": 1}')
     assert (cfg.block_n2, cfg.block_k2, cfg.num_stages2, cfg.block_n1) == (16, 16, 1, moe_decode.DEFAULT_CONFIG.block_n1)
     gen = torch.Generator().manual_seed(12)
     problem = _problem(gen, 2, 32, 48, 16, 2, torch.float32)
-    _check(moe_experts_decode(*problem), *problem, torch.float32)
-    monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", '{"one_token": 0}')
-    envs.reload()
-    assert moe_decode._env_config().one_token == 0
+    _check(moe_experts_decode(*problem, config=cfg), *problem, torch.float32)
+    assert config('{"one_token": 0}').one_token == 0
     for bad in ('{"block_n3": 16}', "not json", "[16]", '{"block_n2": "64"}', '{"block_k1": 0}', '{"one_token": 2}',
                 '{"one_token": true}', '{"one_token_gate_up": 1}'):
-        monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", bad)
-        with pytest.raises(ValueError, match="TURNOUT_MOE_DECODE_CONFIG"):  # at start-up, or names at launch
-            envs.reload()
-            moe_experts_decode(*problem)
+        with pytest.raises(ValueError, match="TURNOUT_MOE_DECODE_CONFIG"):  # at start-up, or its names when bound
+            config(bad)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
@@ -124,7 +120,7 @@ def test_decode_chosen_from_host_ints(monkeypatch):
     assert use_decode(16, 8, 8)  # 128 pairs: always decode
     calls = []
     real_decode, real_grouped = triton_moe.moe_experts_decode, triton_moe.moe_experts_grouped
-    monkeypatch.setattr(triton_moe, "moe_experts_decode", lambda *a: calls.append("decode") or real_decode(*a))
+    monkeypatch.setattr(triton_moe, "moe_experts_decode", lambda *a, **kw: calls.append("decode") or real_decode(*a, **kw))
     monkeypatch.setattr(triton_moe, "moe_experts_grouped", lambda *a: calls.append("grouped") or real_grouped(*a))
     gen = torch.Generator().manual_seed(5)
     for t, e, k in ((3, 16, 4), (70, 2, 2)):  # 12 pairs; 140 pairs on 2 experts

@@ -11,8 +11,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from turnout.ops.triton import (activation, attention, cache, linear, moe_decode, moe_one_token, norm, routing, rotary,
-                                sampling, swap)
+from turnout.ops.triton import (
+    activation,
+    attention,
+    cache,
+    linear,
+    moe_decode,
+    moe_one_token,
+    norm,
+    rotary,
+    routing,
+    sampling,
+    swap,
+)
 
 B, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 PDL = {"PDL": True}

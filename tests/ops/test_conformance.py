@@ -19,7 +19,7 @@ from turnout.ops.policy import Policy
 from turnout.platforms import detect_platform
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _resolved():
     """[(op, impl id, callable or None, reason)] for every non-reference implementation serving this platform."""
     registry, platform = default_registry(), detect_platform()

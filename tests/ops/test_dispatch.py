@@ -8,8 +8,17 @@ import textwrap
 import pytest
 import torch
 
-from turnout.ops import (Impl, OpSpec, OpUnavailableError, Policy, Registry, SampleCase, build_registry,
-                         log_table, resolve)
+from turnout.ops import (
+    Impl,
+    OpSpec,
+    OpUnavailableError,
+    Policy,
+    Registry,
+    SampleCase,
+    build_registry,
+    log_table,
+    resolve,
+)
 from turnout.ops.dispatch import resolve_op
 from turnout.ops.reference import norm as ref_norm
 from turnout.platforms import Platform
@@ -180,7 +189,7 @@ def test_table_is_frozen_and_names_missing_ops():
     with pytest.raises(AttributeError, match="frozen"):
         table.scale = scale_ref
     with pytest.raises(AttributeError, match="no op 'rms_nrom'; it has: scale"):
-        table.rms_nrom
+        _ = table.rms_nrom
 
 
 def test_log_table_is_one_record_with_reasons(caplog):

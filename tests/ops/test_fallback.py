@@ -8,8 +8,18 @@ import warnings
 import pytest
 import torch
 
-from turnout.ops import (Impl, OpFailedError, OpSpec, OpUnavailableError, Policy, Registry, SampleCase,
-                         build_registry, log_table, resolve)
+from turnout.ops import (
+    Impl,
+    OpFailedError,
+    OpSpec,
+    OpUnavailableError,
+    Policy,
+    Registry,
+    SampleCase,
+    build_registry,
+    log_table,
+    resolve,
+)
 from turnout.ops.spec import TRITON_PLATFORMS
 from turnout.platforms import Platform
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from turnout.ops import Policy
-from turnout.platforms import Platform, detect_platform, detect, probe_all
-from turnout.platforms import cpu, cuda, rocm, vendors
+from turnout.platforms import Platform, cpu, cuda, detect, detect_platform, probe_all, rocm, vendors
 
 needs_cpu_only_torch = pytest.mark.skipif(torch.cuda.is_available() or bool(torch.version.cuda)
                                           or bool(getattr(torch.version, "hip", None)),

@@ -5,7 +5,6 @@ plugin. Nothing crashes; everything broken is reported with its reason."""
 import importlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap

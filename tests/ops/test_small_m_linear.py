@@ -54,23 +54,22 @@ def test_kernel_one_row_bf16():
                                atol=2e-2, rtol=2e-2)
 
 
-def test_one_row_tiles_from_the_environment(monkeypatch):
+def test_one_row_tile_overrides(monkeypatch):
     """TURNOUT_SMALL_M_TILES overrides the one-row tiles by "N,K" (benchmarks/decode_step_ab.py tunes with
-    it); other shapes keep the built-in choice; a malformed value is a ValueError naming the variable."""
+    it; the op table binds them: tests/ops/test_tuning_binding.py); other shapes keep the built-in choice; a
+    malformed value is a ValueError naming the variable."""
     kernel, config = _triton()
+    from turnout import envs
     from turnout.ops.triton.linear import pick_config
 
     default, other, two_rows = pick_config(1, 40, 200), pick_config(1, 41, 200), pick_config(2, 40, 200)
-    from turnout import envs
-
-    monkeypatch.setenv("TURNOUT_SMALL_M_TILES", '{"40,200": [2, 64, 1, 1]}')
-    envs.reload()  # read once per process; benchmarks/decode_step_ab.py re-reads so before each capture
-    assert pick_config(1, 40, 200) == config(block_n=2, block_k=64, num_warps=1, num_stages=1)
-    assert default != pick_config(1, 40, 200)
-    assert pick_config(1, 41, 200) == other and pick_config(2, 40, 200) == two_rows  # only one-row "40,200"
+    tiles = envs.load({"TURNOUT_SMALL_M_TILES": '{"40,200": [2, 64, 1, 1]}'}).small_m_tiles
+    assert pick_config(1, 40, 200, tiles) == config(block_n=2, block_k=64, num_warps=1, num_stages=1)
+    assert default != pick_config(1, 40, 200, tiles)
+    assert pick_config(1, 41, 200, tiles) == other and pick_config(2, 40, 200, tiles) == two_rows
     gen = torch.Generator().manual_seed(3)
     x, w, b = _case(gen, 1, 40, 200, torch.float32, True)
-    torch.testing.assert_close(kernel(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel(x, w, b, tiles=tiles), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     for bad in ('{"40,200": [2, 64]}', '{"40,200": [0, 64, 1, 1]}', "[1, 2]", "{40: 1"):
         monkeypatch.setenv("TURNOUT_SMALL_M_TILES", bad)
         with pytest.raises(ValueError, match="TURNOUT_SMALL_M_TILES"):  # at start-up (turnout.envs)

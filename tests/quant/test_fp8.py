@@ -1,4 +1,4 @@
-"""FP8 weights on CPU (issue 23): tiny random llama / qwen3 models written in each fp8 checkpoint format
+"""FP8 weights on CPU: tiny random llama / qwen3 models written in each fp8 checkpoint format
 (tests/quant/fp8_checkpoints.py) against HF transformers holding the exact dequantised weights.
 
 Weight-only formats must equal that reference to float32 rounding. Where activations are quantised too, HF
@@ -17,8 +17,16 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from fp8_checkpoints import (FORMATS, WEIGHT_ONLY, fake_quant_activations, forward_logits, greedy_walk, make_hf,
-                             rel_err, write_fp8_checkpoint)
+from fp8_checkpoints import (
+    FORMATS,
+    WEIGHT_ONLY,
+    fake_quant_activations,
+    forward_logits,
+    greedy_walk,
+    make_hf,
+    rel_err,
+    write_fp8_checkpoint,
+)
 from turnout.config import EngineConfig
 from turnout.distributed.parallel_state import TPGroup
 from turnout.loader import load_model

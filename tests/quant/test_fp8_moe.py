@@ -1,4 +1,4 @@
-"""FP8 MoE experts on CPU (issue 23): a tiny random Qwen3-MoE in the Qwen3-30B-A3B-FP8 layout (per-expert fp8 weights
+"""FP8 MoE experts on CPU: a tiny random Qwen3-MoE in the Qwen3-30B-A3B-FP8 layout (per-expert fp8 weights
 with 128 x 128 ``weight_scale_inv`` blocks; tests/quant/fp8_moe_checkpoints.py) against HF transformers, which reads
 the same checkpoint and dequantises it itself; ``quantization="fp8"`` on the float model; dummy weights; the shards
 of tensor and expert parallelism; what is refused.
@@ -20,8 +20,13 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from fp8_checkpoints import FORMATS, _ct, forward_logits, greedy_walk, rel_err
-from fp8_moe_checkpoints import (MOE_FP8, make_moe_hf, quantize_activations_like_fp8, tiny_moe_config,
-                                 write_fp8_moe_checkpoint)
+from fp8_moe_checkpoints import (
+    MOE_FP8,
+    make_moe_hf,
+    quantize_activations_like_fp8,
+    tiny_moe_config,
+    write_fp8_moe_checkpoint,
+)
 from turnout.distributed.parallel_state import TPGroup
 from turnout.layers.fusion import NO_FUSIONS
 from turnout.loader import load_model

@@ -1,4 +1,4 @@
-"""RL weight updates of an fp8 model (issue 23 with issue 20's control plane): a trainer holds float weights, the
+"""RL weight updates of an fp8 model (through the RL control plane): a trainer holds float weights, the
 rollout engine runs ``quantization="fp8"``. ``LLM.update_weights`` with the trainer's float tensors must leave the
 engine exactly where a fresh engine built from the same float weights starts (the loaders quantise what they are
 sent), for a dense model (per-channel scales) and a Qwen3-MoE (experts in 128 x 128 blocks), also after

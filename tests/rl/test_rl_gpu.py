@@ -48,7 +48,7 @@ def test_sleep_returns_memory_to_the_device_and_graphs_come_back():
     print(f"\nsleep(1) {slept:.2f}s: freed {freed / 2**30:.2f} GiB of {held / 2**30:.2f} GiB torch held "
           f"({100 * freed / held:.0f} %), reserved now {torch.cuda.memory_reserved() / 2**20:.0f} MiB")
     assert runner.graphs is None
-    assert freed >= 0.95 * held  # issue 20's target: >= 95 % of what the engine held goes back to the device
+    assert freed >= 0.95 * held  # >= 95 % of what the engine held goes back: the trainer beside it needs it
     assert all(p.is_pinned() for p in (s.host for s in runner.memory._saved.values()))
     t0 = time.perf_counter()
     llm.wake_up()

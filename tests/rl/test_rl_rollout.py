@@ -1,4 +1,4 @@
-"""turnout as an RL rollout engine (issue 20), uniproc on the CPU in float32, against a real trainer: a
+"""turnout as an RL rollout engine, uniproc on the CPU in float32, against a real trainer: a
 transformers model that torch optimises; after every optimizer step its ``named_parameters()`` go to
 ``LLM.update_weights`` and turnout's greedy tokens and the logprobs of its sampled tokens must equal the
 updated HF model's. Then sleep / wake (memory really released, outputs identical after), all-or-nothing
@@ -151,7 +151,7 @@ def test_trainer_loop_pushes_weights_and_rollout_matches_trainer(family, dense, 
         trainer_lps = _train_step(hf, opt, rollouts)
         # turnout's logprobs of its own samples = the trainer's recomputation on the same (pre-step) weights
         mismatch = max(abs(a - b) for r, t in zip(rollouts, trainer_lps) for a, b in zip(r.logprobs, t))
-        assert mismatch <= 1e-5, mismatch  # issue 20: max |delta| <= 1e-5 in float32
+        assert mismatch <= 1e-5, mismatch  # in float32 the importance ratios stay within 1e-5 of 1
         old = llm.generate_tokens(PROMPTS[0], GREEDY)
         named = list(hf.named_parameters())
         if family == "moe" and step % 2 == 1:
@@ -459,7 +459,7 @@ def test_update_weights_from_distributed_broadcast(dense):
     assert llm.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=2) == [1]
     trainer.join(30)
     group = tbox["out"]
-    for step in range(2):
+    for _ in range(2):
         with torch.no_grad():
             for p in hf.parameters():
                 p.add_(0.05 * torch.randn_like(p))

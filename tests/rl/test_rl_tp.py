@@ -9,13 +9,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+# tests/rl is on sys.path, as pytest puts a test file's directory there
+from test_rl_rollout import GREEDY, PROMPTS, _check_matches_hf, _dense_config, _in_thread, _save, free_port  # noqa: E402
 from turnout import LLM  # noqa: E402
 from turnout.worker import rank_memory  # noqa: E402
-
-# tests/rl is on sys.path, as pytest puts a test file's directory there
-from test_rl_rollout import (GREEDY, PROMPTS, _check_matches_hf, _dense_config, _in_thread, _save,  # noqa: E402
-                             free_port)
-
 from turnout.worker.weight_broadcast import broadcast_weights, stateless_group  # noqa: E402
 
 

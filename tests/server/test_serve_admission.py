@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from test_serve_robustness import COMP, CHAT, MSGS, assert_error, post, still_ok
 
+from test_serve_robustness import CHAT, COMP, MSGS, assert_error, post, still_ok
 from turnout.engine.sampling_params import SamplingParams
 
 VOCAB = 49152  # SmolLM2-135M

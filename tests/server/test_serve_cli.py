@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from conftest import REPO
 
+from conftest import REPO
 from turnout.entrypoints.openai import serve_cmd, serve_docs
 
 

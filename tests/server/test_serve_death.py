@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+
 from conftest import REPO, ServerProcess
 
 FAULT_ENTRY = (str(REPO / "tests" / "server" / "fault_serve.py"),)

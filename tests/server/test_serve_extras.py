@@ -12,8 +12,8 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess
 
+from conftest import ServerProcess
 from turnout.entrypoints import cli
 from turnout.entrypoints.openai.serve_options import ServeOptions, load_chat_template, refuse_remote_code
 

@@ -8,9 +8,9 @@ import time
 
 import httpx
 import pytest
+
 from conftest import InProcessServer  # at collection, while tests/server's conftest is the one imported
 from serve_fakes import FakeEngine
-
 from turnout.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineDraining, QueueFull
 from turnout.engine.sampling_params import SamplingParams
 

@@ -26,9 +26,10 @@ import time
 
 import httpx
 import pytest
-from conftest import ServerProcess
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
+
+from conftest import ServerProcess
 
 EXAMPLES = int(os.environ.get("TURNOUT_FUZZ_EXAMPLES", "800"))
 REPORT = os.environ.get("TURNOUT_FUZZ_REPORT")
@@ -207,7 +208,7 @@ def valid_chat_body(draw):
 
 
 def _nested(depth: int, key: str) -> bytes:
-    return ('{"%s": ' % key + "[" * depth + "1" + "]" * depth + "}").encode()
+    return (f'{{"{key}": ' + "[" * depth + "1" + "]" * depth + "}").encode()
 
 
 def raw_bodies(key: str):
@@ -215,7 +216,7 @@ def raw_bodies(key: str):
     return st.one_of(
         st.binary(max_size=64),
         st.integers(3, 5000).map(lambda d: _nested(d, key)),
-        st.integers(1, 3000).map(lambda d: ('{"%s": ' % key + '{"a": ' * d + "1" + "}" * d + "}").encode()),
+        st.integers(1, 3000).map(lambda d: (f'{{"{key}": ' + '{"a": ' * d + "1" + "}" * d + "}").encode()),
         st.sampled_from([b"", b"null", b"[]", b"1", b'"x"', b"{", b'{"%s": NaN}' % key.encode(),
                          b'{"%s": "x", "max_tokens": Infinity}' % key.encode(),
                          b'{"%s": "x", "top_k": -Infinity}' % key.encode(),

@@ -16,6 +16,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from conftest import REPO, ServerProcess
 
 KEY = "hardening-key"

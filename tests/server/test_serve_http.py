@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+
 from conftest import ServerProcess, free_port
 
 MAX_CONN = 6
@@ -39,7 +40,7 @@ def _read_all(sock, timeout) -> tuple[bytes, float]:
     try:
         while chunk := sock.recv(65536):
             out += chunk
-    except socket.timeout:
+    except TimeoutError:
         return out + b"<still open>", time.monotonic() - t0
     except ConnectionResetError:
         pass

@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from conftest import ServerProcess
 
 KEY = "test-key-123"

@@ -12,8 +12,8 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess
 
+from conftest import ServerProcess
 from turnout.entrypoints.openai.chat_tools import ChoiceParser, plan_tools, reasoning_parser
 from turnout.entrypoints.openai.errors import APIError
 from turnout.entrypoints.openai.protocol import ChatCompletionRequest

@@ -19,6 +19,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from conftest import ServerProcess
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

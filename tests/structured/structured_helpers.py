@@ -18,7 +18,7 @@ def constrained_walk(tok, compiler, walk_tools, params_list, seed=0, max_steps=4
     done = [False] * len(params_list)
     g = torch.Generator().manual_seed(seed)
     mask = allocate_bitmask(len(params_list), v)
-    for step in range(max_steps):
+    for _ in range(max_steps):
         live = [i for i, d in enumerate(done) if not d]
         if not live:
             break

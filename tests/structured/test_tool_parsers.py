@@ -13,8 +13,7 @@ import pytest
 
 from structured_helpers import check_schema, constrained_walk
 from turnout.entrypoints.openai.tool_parsers import TOOL_PARSERS, assemble, get_tool_parser
-from turnout.entrypoints.openai.tool_parsers.constrained import (constrained_tool_parser,
-                                                                 structured_outputs_for_tools)
+from turnout.entrypoints.openai.tool_parsers.constrained import constrained_tool_parser, structured_outputs_for_tools
 from turnout.structured import StructuredOutputsError
 
 # (text, expected content, expected [(name, arguments)])

@@ -4,7 +4,13 @@ The collectives themselves are ops of the dispatch layer (``ops.all_reduce``, ``
 ``reduce_scatter``, ``all_to_all``; turnout/ops/reference/collectives.py), called by the layers with the
 group of their ``TPGroup``."""
 
-from turnout.distributed.parallel_state import (SINGLE, TPGroup, current_tp_group, destroy_distributed, free_port,
-                                                init_distributed)
+from turnout.distributed.parallel_state import (
+                                                SINGLE,
+                                                TPGroup,
+                                                current_tp_group,
+                                                destroy_distributed,
+                                                free_port,
+                                                init_distributed,
+)
 
 __all__ = ["SINGLE", "TPGroup", "current_tp_group", "destroy_distributed", "free_port", "init_distributed"]

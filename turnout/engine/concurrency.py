@@ -1,6 +1,6 @@
 """The default ``max_num_seqs``: as many sequences as the KV cache holds at ``max_model_len``, within bounds.
 
-A fixed 256 left half the cache idle on an H200 (issue 23: a 512 x (1024 in / 512 out) throughput run held 256
+A fixed 256 left half the cache idle on an H200 (a 512 x (1024 in / 512 out) throughput run held 256
 sequences in a cache that had room for more), and a fixed larger number would preempt on small caches. So with
 ``max_num_seqs=None`` (the default of EngineConfig, ``LLM`` and ``turnout bench``), once the cache is sized:
 

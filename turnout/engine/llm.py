@@ -6,46 +6,20 @@ import dataclasses
 import itertools
 from typing import Sequence as Seq
 
-from turnout.config import EngineConfig
+from turnout.config import engine_config
+from turnout.engine.generation_gate import GenerationGate
 from turnout.engine.llm_engine import LLMEngine
 from turnout.engine.outputs import RequestOutput
-from turnout.engine.generation_gate import GenerationGate
 from turnout.engine.rl import TokenOutput
 from turnout.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enable_prefix_caching: bool = True, load_format: str = "auto", seed: int = 0,
-                 ops_policy: str | None = None, block_size: int = 16, enforce_eager: bool = False,
-                 batch_invariant: bool = False,
-                 tokenizer: str | None = None, async_scheduling: bool | None = None,
-                 max_tokens_per_request: int | None = None, fair_share_seqs: int | None = 16,
-                 tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
-                 distributed_timeout_s: float = 300.0,
-                 enable_expert_parallel: bool = False, nnodes: int = 1, node_rank: int = 0,
-                 master_addr: str = "127.0.0.1", master_port: int = 29500, ray_address: str | None = None,
-                 preemption_mode: str = "auto", swap_space: float = 4.0, kv_offload_gb: float = 0.0,
-                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
-        self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
-                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                                   enable_prefix_caching=enable_prefix_caching, load_format=load_format, seed=seed,
-                                   ops_policy=ops_policy, block_size=block_size, enforce_eager=enforce_eager,
-                                   batch_invariant=batch_invariant,
-                                   tokenizer=tokenizer, async_scheduling=async_scheduling,
-                                   max_tokens_per_request=max_tokens_per_request, fair_share_seqs=fair_share_seqs,
-                                   tensor_parallel_size=tensor_parallel_size,
-                                   distributed_executor_backend=distributed_executor_backend,
-                                   distributed_timeout_s=distributed_timeout_s,
-                                   enable_expert_parallel=enable_expert_parallel, nnodes=nnodes,
-                                   node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-                                   ray_address=ray_address,
-                                   preemption_mode=preemption_mode, swap_space=swap_space,
-                                   kv_offload_gb=kv_offload_gb, quantization=quantization,
-                                   kv_cache_dtype=kv_cache_dtype)
+    def __init__(self, model: str | None = None, **options):
+        """``options``: any EngineConfig field by name (turnout/config.py documents each). A name that is none
+        is a ValueError naming the closest field; vLLM's options that change nothing here (enable_chunked_prefill,
+        disable_log_stats, ...) are accepted with an INFO line (turnout/config.py)."""
+        self.config = engine_config(model=model, **options)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         self._gate = GenerationGate(self.engine)  # pause / abort from another thread (generation_gate.py)

@@ -23,8 +23,8 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from turnout.worker import rank_memory
 from turnout.engine.outputs import RequestOutput
+from turnout.worker import rank_memory
 
 logger = logging.getLogger(__name__)
 

@@ -29,12 +29,17 @@ import time
 from pathlib import Path
 
 from turnout.entrypoints import bench_serve
+from turnout.entrypoints.bench_models import (  # noqa: F401
+    NullTokenizer,
+    bench_tokenizer,
+    config_roots,
+    has_tokenizer_files,
+    random_prompts,
+    resolve_model,
+)
 from turnout.entrypoints.bench_serve_metrics import json_safe as _clean
-from turnout.entrypoints.engine_args import distributed_kwargs
-from turnout.entrypoints.engine_args import add_kv_tier_and_parallel_args, add_quantization_arg
+from turnout.entrypoints.engine_args import add_engine_args, add_vllm_noop_args, engine_kwargs, note_vllm_noop_args
 from turnout.kv.stats import format_tiers, tier_report
-from turnout.entrypoints.bench_models import (NullTokenizer, bench_tokenizer, config_roots,  # noqa: F401
-                                          has_tokenizer_files, random_prompts, resolve_model)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,18 @@ THROUGHPUT_FIELDS = COMMON_FIELDS + ("num_prompts", "elapsed_s", "requests_per_s
                                      "num_preemptions")
 
 
+# A benchmark's engine: one process, and a model that answers to no name.
+BENCH_EXCLUDED = ("model", "served_model_name", "data_parallel_size")
+BENCH_HELPS = {
+    "load_format": "how to read the weights (bundled configs: dummy)",
+    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes (default: off: random prompts)",
+    "max_num_seqs": "sequences generated at once (default: latency: --batch-size; throughput: as many as the "
+                    "KV cache holds)",
+    "max_num_batched_tokens": "tokens in one step (default: latency: batch x input-len in [2048, 32768]; "
+                              "throughput: 16384 on a GPU, 2048 on CPU)",
+    "max_model_len": "context length (default: input-len + output-len)",
+    "tokenizer": "a tokenizer other than the model's (default: the model's, or none for a bundled config)",
+}
 
 
 def _common(p) -> None:
@@ -60,28 +77,11 @@ def _common(p) -> None:
                    help="model directory/file, or a name from benchmarks/configs (qwen3-8b, llama-3.1-8b, ...)")
     p.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
                    help="the same as the positional MODEL (vLLM's spelling); give one of the two")
-    p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy (bundled configs: dummy)")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                   help="no CUDA graphs (default: graphs on a GPU)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch the next decode step before the last one's tokens are read back "
-                        "(default: on for GPUs, off on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    add_kv_tier_and_parallel_args(p)
-    add_quantization_arg(p)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None, help="default: input-len + output-len")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (default: sized by the engine)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="off by default: random prompts")
-    p.add_argument("--ops-policy", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    add_engine_args(p, exclude=BENCH_EXCLUDED, helps=BENCH_HELPS,
+                    defaults={"enable_prefix_caching": False, "max_num_batched_tokens": None})
+    add_vllm_noop_args(p)
     p.add_argument("--ceilings", action=argparse.BooleanOptionalAction, default=True,
                    help="measure copy bandwidth and GEMM rate first (default: on; --no-ceilings skips them)")
     p.add_argument("--output-json", default=None, metavar="PATH")
@@ -134,18 +134,12 @@ def build_llm(args, batch: int):
         max_tokens = (min(max(2048, batch * args.input_len), 32768) if args.bench == "latency"
                       else (16384 if on_gpu else 2048))
     t0 = time.perf_counter()
-    llm = LLM(model=path, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len or args.input_len + args.output_len, max_num_seqs=max_seqs,
-              max_num_batched_tokens=max_tokens, kv_cache_memory=args.kv_cache_memory,
-              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-              load_format=load_format, seed=args.seed, ops_policy=args.ops_policy, block_size=args.block_size,
-              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              tokenizer=bench_tokenizer(path), tensor_parallel_size=args.tensor_parallel_size,
-              **distributed_kwargs(args),
-              enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype,
-              batch_invariant=args.batch_invariant,
-              preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb)
+    note_vllm_noop_args(args)
+    options = engine_kwargs(args, exclude=BENCH_EXCLUDED)
+    options.update(load_format=load_format, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
+                   max_model_len=args.max_model_len or args.input_len + args.output_len,
+                   tokenizer=args.tokenizer or bench_tokenizer(path))
+    llm = LLM(model=path, **options)
     return llm, path, load_format, time.perf_counter() - t0
 
 
@@ -386,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="turnout bench", description="latency / throughput / serve benchmarks")
     p.add_argument("--log-level", default="INFO")
     add_arguments(p)
-    args = p.parse_args(argv)
+    from turnout.entrypoints.cli import parse_args
+
+    args = parse_args(p, argv)
     args.command = "bench"
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

@@ -147,7 +147,7 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
         return [0.0] * n
     rng = random.Random(seed)
     t, out = 0.0, []
-    for i in range(n):
+    for _ in range(n):
         out.append(t)
         t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return out

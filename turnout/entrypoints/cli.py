@@ -48,6 +48,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` chose (``bench latency`` is two levels down)."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or getattr(args, sub.dest, None) not in sub.choices:
+            return parser
+        parser = sub.choices[getattr(args, sub.dest)]
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """``parser.parse_args``, but an unknown option is an error naming the command's closest one
+    (``--tensor-paralel-size``: did you mean ``--tensor-parallel-size``?)."""
+    from turnout.config import unknown_option
+
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = _command_parser(parser, args)
+        known = [s for s in command._option_string_actions if s.startswith("--")]
+        for token in extra:
+            if token.startswith("-") and len(token) > 1:
+                command.error(str(unknown_option(token.split("=", 1)[0], known)))
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         envs.get()  # the environment, read once at start-up: a malformed variable is one line naming it
@@ -55,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"turnout: error: {e}", file=sys.stderr)
         return 2
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     level = logging.getLevelName(str(args.log_level).upper())
     if not isinstance(level, int):
         parser.error(f"--log-level: unknown level {args.log_level!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL)")

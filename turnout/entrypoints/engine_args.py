@@ -1,77 +1,88 @@
-"""Engine flags that serve, generate and bench share (one definition, so the three cannot drift)."""
+"""The engine flags of `turnout serve / generate / bench`, made from EngineConfig's fields (turnout/config.py:
+each field's help, flag, alias and choices), so the three commands and ``LLM(**options)`` cannot drift: a
+new field is a new flag of each. A command that spells a field its own way (serve's positional MODEL,
+generate's sampling --seed) leaves it out with ``exclude`` and adds its own flag.
+
+Also vLLM's flags that change nothing in turnout (turnout/config.py): accepted with an INFO line, so
+a vLLM command line runs as it is.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import typing
 
-def add_kv_tier_and_parallel_args(p) -> None:
-    """--preemption-mode, --swap-space, --kv-offload-gb, -tp / --tensor-parallel-size, --enable-expert-parallel,
-    --batch-invariant, --distributed-executor-backend, --distributed-timeout."""
-    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
-                   help="when the KV cache is full: recompute, swap to host memory, or auto (the cheaper, measured)")
-    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
-    p.add_argument("--kv-offload-gb", type=float, default=0.0,
-                   help="GiB of host memory for prefix blocks evicted from the device (0: no host tier)")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many ranks (devices) of this machine (a process per rank)")
-    p.add_argument("--distributed-executor-backend", default=None, choices=["uniproc", "mp", "ray"],
-                   help="what runs the ranks: uniproc (one rank, in-process), mp (a process per rank on this "
-                        "machine) or ray (Ray actors; pip install 'turnout[ray]'); default: uniproc for one rank, "
-                        "mp for several")
-    p.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
-                   metavar="SECONDS",
-                   help="how long a tensor-parallel step may wait for a peer rank before it fails naming the "
-                        "rank that hangs (the process group's collective timeout and the step watchdog)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: the tensor-parallel ranks split the experts by expert id, not by intermediate dim")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="a request's tokens and logprobs bitwise the same whatever else is batched with it (batch "
-                        "size, chunked prefill, prefix-cache hits): batch-invariant kernels only; slower")
+from turnout.config import VLLM_NOOPS, EngineConfig, note_vllm_noop
 
 
-def add_data_parallel_arg(p) -> None:
-    """-dp / --data-parallel-size (serve: engine replicas behind one server, turnout/engine/dp.py)."""
-    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
-                   help="engine replicas behind this server, each its own process with -tp ranks (replica r on "
-                        "devices [r tp, (r + 1) tp)); requests go to the least loaded replica")
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def distributed_kwargs(args) -> dict:
-    """The engine fields the flags of add_kv_tier_and_parallel_args that are not LLM's own names set
-    (EngineConfig / LLM keyword arguments)."""
-    return {"distributed_executor_backend": args.distributed_executor_backend,
-            "distributed_timeout_s": args.distributed_timeout_s}
+def cli_fields(exclude=()) -> list[dataclasses.Field]:
+    """EngineConfig's fields that are flags (all but those set by turnout itself and ``exclude``)."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True) and f.name not in exclude]
 
 
-def add_quantization_arg(p) -> None:
-    """--quantization (turnout/quant), --kv-cache-dtype (turnout/ops/kv_cache.py)."""
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: quantise the linear weights of an unquantised checkpoint at load (per-channel "
-                        "scales, activations per token); an fp8 checkpoint is read as it is without it")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 with per-layer k/v scales, 1.0 "
-                        "or the checkpoint's: half the bytes per token, twice the tokens held)")
+def _base_type(annotation):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
 
 
-def add_multinode_args(p, headless: bool = False) -> None:
-    """--nnodes, --node-rank, --master-addr, --master-port, --ray-address (turnout/executor/multinode.py,
-    ray_executor.py); ``headless`` adds serve's --headless (the nodes other than 0)."""
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="machines the -tp ranks span (-tp / nnodes ranks each); node 0 runs the engine, the "
-                        "others `turnout serve ... --headless`")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's place among the --nnodes (0: the engine)")
-    p.add_argument("--master-addr", default="127.0.0.1",
-                   help="node 0's address on the cluster network: its rendezvous store listens there, and only there")
-    p.add_argument("--master-port", type=int, default=29500, help="the rendezvous port on --master-addr")
-    p.add_argument("--ray-address", default=None,
-                   help="the Ray cluster of --distributed-executor-backend ray (default: $RAY_ADDRESS, else the "
-                        "cluster `ray start` left on this machine, else a local Ray instance)")
-    if headless:
-        p.add_argument("--headless", action="store_true",
-                       help="nodes 1.. of a multi-node engine: run this node's ranks with node 0's engine "
-                            "configuration, no HTTP; exits when node 0 goes")
+def add_engine_args(p, *, exclude=(), defaults=None, helps=None, groups=None) -> None:
+    """One flag per EngineConfig field (dest: the field's name). ``defaults`` / ``helps``: a command's own
+    default or help text for a field; ``groups``: serve's argument group for each field's metadata group."""
+    defaults, helps, groups = defaults or {}, helps or {}, groups or {}
+    hints = typing.get_type_hints(EngineConfig)
+    for f in cli_fields(exclude):
+        meta = f.metadata  # empty for a field declared without option(): a plain flag (tests/test_engine_options.py
+        # fails on its missing help)
+        target = groups.get(meta.get("group", "engine"), p)
+        names = [meta["short"], _flag(f)] if meta.get("short") else [_flag(f)]
+        kw = {"dest": f.name, "default": defaults.get(f.name, f.default), "help": helps.get(f.name, meta.get("help"))}
+        kind = _base_type(hints[f.name])
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = kind
+            if meta.get("choices"):
+                kw["choices"] = list(meta["choices"])
+            if meta.get("metavar"):
+                kw["metavar"] = meta["metavar"]
+        target.add_argument(*names, **kw)
 
 
-def multinode_kwargs(args) -> dict:
-    """The engine fields add_multinode_args sets (EngineConfig / LLM keyword arguments)."""
-    return {"nnodes": args.nnodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
-            "master_port": args.master_port, "ray_address": args.ray_address}
+def engine_kwargs(args, exclude=()) -> dict:
+    """The EngineConfig / LLM keyword arguments the flags of add_engine_args set (a field's ``none_as``
+    value becomes None: --fair-share-seqs 0 is no cap)."""
+    out = {}
+    for f in cli_fields(exclude):
+        value = getattr(args, f.name)
+        none_as = f.metadata.get("none_as")
+        out[f.name] = None if none_as is not None and value == none_as else value
+    return out
+
+
+def add_vllm_noop_args(p, server: bool = False) -> None:
+    """vLLM's flags that change nothing here (turnout/config.py VLLM_NOOPS); ``server``: `serve`'s too."""
+    for name, noop in VLLM_NOOPS.items():
+        if noop.server and not server:
+            continue
+        flag = "--" + name.replace("_", "-")
+        text = f"accepted from vLLM, no effect: {noop.why}"
+        if noop.metavar:
+            p.add_argument(flag, dest=name, default=None, metavar=noop.metavar, help=text)
+        elif noop.refusal:  # --no-FLAG asks for what turnout does not do: refused by name, not "unrecognized"
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            p.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=text)
+
+
+def note_vllm_noop_args(args) -> None:
+    """An INFO line for each vLLM no-op flag given; a ValueError naming the flag for a value turnout cannot
+    honour (--no-enable-chunked-prefill, a --generation-config folder)."""
+    for name in VLLM_NOOPS:
+        value = getattr(args, name, None)
+        if value is not None:
+            note_vllm_noop(name, value, spell=lambda n: "--" + n.replace("_", "-"))

@@ -3,15 +3,19 @@
 import argparse
 import sys
 
-from turnout.entrypoints.engine_args import (add_kv_tier_and_parallel_args, add_multinode_args, add_quantization_arg,
-                                            multinode_kwargs)
+from turnout.config import EngineConfig
+from turnout.entrypoints.engine_args import add_engine_args, add_vllm_noop_args
+
+# Not flags of generate: --model and --seed are spelled below (--seed seeds the sampling here), and a server's
+# name and replicas mean nothing offline.
+EXCLUDED = ("model", "seed", "served_model_name", "data_parallel_size")
 
 
 def add_arguments(p) -> None:
     # The positionals are the prompts (any text), so the model is always --model: a positional MODEL before
     # them could not be told from a prompt.
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    p.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=EngineConfig.__dataclass_fields__["model"].metadata["help"])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -19,21 +23,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
                    help="apply the model's chat template to each prompt (default: off)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--ops-policy", default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of shared prompt prefixes (default: on)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                   help="no CUDA graphs (default: graphs on a GPU)")
-    add_kv_tier_and_parallel_args(p)
-    add_quantization_arg(p)
-    add_multinode_args(p)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch the next decode step before the last one's tokens are read back "
-                        "(default: on for GPUs, off on CPU)")
+    add_engine_args(p, exclude=EXCLUDED)
+    add_vllm_noop_args(p)
 
 
 def run(args) -> int:
@@ -41,20 +32,12 @@ def run(args) -> int:
 
     from turnout.engine.llm import LLM
     from turnout.engine.sampling_params import SamplingParams
-    from turnout.entrypoints.engine_args import distributed_kwargs
+    from turnout.entrypoints.engine_args import engine_kwargs, note_vllm_noop_args
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              load_format=args.load_format, ops_policy=args.ops_policy,
-              enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-              **distributed_kwargs(args),
-              enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype,
-              batch_invariant=args.batch_invariant,
-              preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb,
-              **multinode_kwargs(args))
+    note_vllm_noop_args(args)
+    llm = LLM(model=args.model, **engine_kwargs(args, exclude=EXCLUDED))
     engine = llm.engine
     if args.chat:
         prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]

@@ -25,7 +25,6 @@ import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
-
 _HANDSHAKE_S = 10  # seconds a connecting peer has for each message of the handshake
 
 
@@ -70,7 +69,7 @@ class StepListener:
                 alive()
             try:
                 sock, _ = self._sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             conn, rank = _handshake(sock, self.key)
             if rank not in want or rank in got:  # a stranger, a wrong key, a rank twice
@@ -93,7 +92,8 @@ def connect(address: str, key: bytes, rank: int, timeout_s: float = 300.0) -> Co
             break
         except (ConnectionRefusedError, FileNotFoundError):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {rank}: the driver at {address} did not answer within {timeout_s:.0f}s")
+                raise RuntimeError(f"rank {rank}: the driver at {address} did not answer within "
+                                   f"{timeout_s:.0f}s") from None
             time.sleep(0.2)
     conn.send_bytes(struct.pack("<q", rank))
     return conn

@@ -3,7 +3,7 @@
 The weights are those of the whole model whatever the tensor-parallel size: each parameter is drawn at its
 full (unsharded) shape, in the same order and from the same generator on every rank, and this rank's slice
 is loaded through the layers' own weight loaders, the way a checkpoint tensor is. So dummy TP=2 logits equal
-dummy TP=1 logits (issue 19 compares the two on a GPU), and expert-parallel ranks hold the same experts a
+dummy TP=1 logits (benchmarks/tp_check.py compares the two on a GPU), and expert-parallel ranks hold the same experts a
 TP=1 model does.
 """
 

@@ -33,7 +33,8 @@ HARMLESS_UNMAPPED = ("rope_freqs.weight",)
 
 def _hf_names() -> dict[str, str]:
     """GGUF tensor base name (``blk.{bid}.attn_q``) -> HF checkpoint module name (``{bid}``, ``{e}`` kept)."""
-    from gguf import TENSOR_NAMES, MODEL_TENSOR as T
+    from gguf import MODEL_TENSOR as T
+    from gguf import TENSOR_NAMES
 
     layer = "model.layers.{bid}."
     table = {

@@ -11,12 +11,14 @@ Take the first call of every op (a warm-up step) before CUDA-graph capture or ``
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
+from turnout import envs
 from turnout.ops.kv_cache import FP8_KV_OPS, handles_fp8
 from turnout.ops.policy import Policy
 from turnout.ops.registry import Registry, default_registry
@@ -142,9 +144,21 @@ def _choices(op: str, impl: Impl, policy: Policy) -> list[dict]:
     return out
 
 
-def resolve_op(op: str, registry: Registry, platform, policy: Policy) -> Resolution:
+def _tuned(impl: Impl, tuning) -> dict:
+    """The keyword arguments ``impl.tunes`` makes of the tuning settings (tile overrides), to bind now."""
+    tunes = impl.tunes
+    if isinstance(tunes, str):
+        module, _, attr = tunes.partition(":")
+        tunes = importlib.import_module(module)
+        for part in attr.split("."):
+            tunes = getattr(tunes, part)
+    return dict(tunes(tuning))
+
+
+def resolve_op(op: str, registry: Registry, platform, policy: Policy, tuning=None) -> Resolution:
     """Probe every candidate of ``op`` (so that the table can say why each was skipped) and choose the
-    first available one. Never raises for an unusable op: ``Resolution.error`` says why."""
+    first available one. Never raises for an unusable op: ``Resolution.error`` says why. ``tuning``
+    (``turnout.envs.Envs``; None: the process's) holds the tile overrides bound into the implementations."""
     kept, excluded = _order(op, registry.impls[op], platform, policy)
     cands: list[Candidate] = []
     chosen = None
@@ -167,6 +181,8 @@ def resolve_op(op: str, registry: Registry, platform, policy: Policy) -> Resolut
             kwarg, value = c.pop("kwarg"), c.pop("bound")
             if value is not None:
                 bound[kwarg] = value
+        if ok and impl.tunes is not None:
+            bound.update(_tuned(impl, envs.get() if tuning is None else tuning))
         if ok and bound:  # bound once here: the table attribute is then this partial, nothing per call
             fn = functools.partial(fn, **bound)
         cands.append(Candidate(impl.id, ok, reason, impl.source, fn, choices))
@@ -296,11 +312,13 @@ class _FirstCallGuard:
 
 
 def resolve(platform, policy: Policy | None = None, registry: Registry | None = None,
-            ops: list[str] | None = None) -> OpTable:
+            ops: list[str] | None = None, tuning=None) -> OpTable:
     """Resolve every op (or ``ops``) for ``platform`` under ``policy`` (default: the platform's
-    default, then ``TURNOUT_OPS``). Raises PolicyError for a policy naming unknown things, and
-    OpUnavailableError naming the op, the platform and every candidate with its reason if an op has
-    no implementation (or its first choice is unavailable under a strict policy)."""
+    default, then ``TURNOUT_OPS``), binding the tile overrides of ``tuning`` (``turnout.envs.Envs``;
+    default: the process's environment, read now, once: benchmarks/decode_step_ab.py passes
+    ``envs.load(environ)`` to compare settings in one process). Raises PolicyError for a policy naming
+    unknown things, and OpUnavailableError naming the op, the platform and every candidate with its reason
+    if an op has no implementation (or its first choice is unavailable under a strict policy)."""
     registry = registry or default_registry()
     policy = policy or Policy.from_sources(platform=platform)
     policy.validate(registry)
@@ -309,7 +327,7 @@ def resolve(platform, policy: Policy | None = None, registry: Registry | None = 
         raise OpUnavailableError(f"unknown op {unknown[0]!r}; known ops: {', '.join(sorted(registry.ops))}")
     resolutions = {}
     for op in ops or sorted(registry.ops):
-        res = resolve_op(op, registry, platform, policy)
+        res = resolve_op(op, registry, platform, policy, tuning)
         if res.error and not registry.ops[op].optional:
             raise OpUnavailableError(res.error)
         resolutions[op] = res

@@ -61,7 +61,7 @@ class Registry:
         """Call ``register(view)``; its implementations are added all together or not at all.
 
         A registration that raises is recorded in ``plugins`` with its reason and skipped: one broken
-        vendor or plugin never stops the engine (seed 000).
+        vendor or plugin never stops the engine.
         """
         view = _RegistrationView(self, source)
         try:

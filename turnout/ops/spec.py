@@ -135,7 +135,7 @@ class Impl:
     that fails to import disables only the implementations that name it. With ``factory=True`` the
     target is a zero-argument function that returns the real callable (or raises ImplUnavailable):
     the way to bind into lazy namespaces such as ``torch.ops.<lib>``, on which ``hasattr`` is always
-    true (seed 003). ``check(platform)`` may add a capability test returning ``(ok, reason)``; it runs
+    true. ``check(platform)`` may add a capability test returning ``(ok, reason)``; it runs
     after the callable resolved.
 
     ``below`` names families this implementation is tried after in the family order (``prefer`` included),
@@ -149,6 +149,10 @@ class Impl:
     no claim, the model keeps the unfused chain. True: always. A predicate (a callable or ``"module:attr"``,
     resolved like ``target`` when the plan is built) over the shape the fusion is for, e.g. ``(N, K)`` of a
     projection for ``add_rms_norm_linear``.
+
+    ``tunes`` (a callable or ``"module:attr"``) turns the resolution's tuning settings (``turnout.envs.Envs``:
+    tile overrides) into keyword arguments bound into the implementation when the op table is resolved, so a
+    kernel never reads them from a process global when it launches (turnout/ops/triton/_tuning.py).
     """
 
     op: str
@@ -162,6 +166,7 @@ class Impl:
     below: tuple[str, ...] = ()
     choices: tuple[Choice, ...] = ()
     pays: bool | str | Callable[..., bool] | None = None
+    tunes: str | Callable[[Any], dict] | None = None
     # A row's result is bitwise the same whatever else is in the call (rows, their number, the query chunk):
     # only such implementations serve an op the policy lists under ``invariant=`` (batch-invariant mode,
     # turnout/ops/batch_invariant.py); tests/ops/test_batch_invariant_ops.py holds them to it.
@@ -195,6 +200,9 @@ class Impl:
             if not sep or not module or not attr:
                 raise ValueError(f"implementation {self.id!r} of op {self.op!r}: target {self.target!r} "
                                  "must be a callable or 'module:attr'")
+        if isinstance(self.tunes, str) and not all(self.tunes.partition(":")[::2]):
+            raise ValueError(f"implementation {self.id!r} of op {self.op!r}: tunes {self.tunes!r} must be a "
+                             "callable or 'module:attr'")
         if isinstance(self.pays, str) and not all(self.pays.partition(":")[::2]):
             raise ValueError(f"implementation {self.id!r} of op {self.op!r}: pays {self.pays!r} must be a bool, "
                              "a callable or 'module:attr'")
@@ -270,7 +278,7 @@ class Impl:
         return fn
 
     def probe(self, platform) -> tuple[bool, str, Callable | None]:
-        """(available, reason, callable). Resolves the callable for real (seed 003)."""
+        """(available, reason, callable). Resolves the callable for real (a lazy namespace has every name)."""
         if not self.serves(platform):
             return False, f"does not serve platform {platform.name} (serves {self.platforms_text()})", None
         try:

@@ -99,7 +99,7 @@ def triton_pdl_enabled(device) -> bool:
     return _pdl_supported(device.index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pdl_supported(device_index: int) -> bool:
     import torch
 

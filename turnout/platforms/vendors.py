@@ -2,7 +2,7 @@
 
 Each probe looks for the vendor's torch build or extension and asks it for a device. Nothing here is
 imported unconditionally and nothing is assumed by name: a missing, broken or renamed vendor API only
-makes its probe return ``(None, reason)`` (seed 002). Vendors can also ship a full Platform through
+makes its probe return ``(None, reason)``. Vendors can also ship a full Platform through
 the ``turnout.platforms`` entry point group (see detect.py).
 """
 

@@ -1,4 +1,4 @@
-"""Quantised weights (issue 23: fp8). ``linear_quant(hf_config, quantization, ops)`` and ``experts_quant(...)`` are
+"""Quantised weights (fp8). ``linear_quant(hf_config, quantization, ops)`` and ``experts_quant(...)`` are
 what the loader puts in the fusion plan (``FusionPlan.linear_quant`` / ``experts_quant``) before the model is built:
 the methods the linear layers (turnout/quant/fp8.py) and the routed MoE experts (turnout/quant/moe_fp8.py) create
 their parameters and run their forward with, or None.

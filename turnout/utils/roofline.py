@@ -40,7 +40,6 @@ def copy_bandwidth(device, nbytes: int = 1 << 28, iters: int = 10) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     dt = _timeit(lambda: dst.copy_(src), device, iters)
-    del src, dst
     return 2 * nbytes / dt / 1e9
 
 
@@ -49,7 +48,6 @@ def gemm_tflops(device, dtype, n: int = 4096, iters: int = 10) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     dt = _timeit(lambda: a @ b, device, iters)
-    del a, b
     return 2 * n**3 / dt / 1e12
 
 

@@ -8,15 +8,15 @@ import logging
 import torch
 
 from turnout.engine.concurrency import default_max_num_seqs
+from turnout.engine.sequence import SequenceFaults
+from turnout.layers.attention import AttentionMetadata
+from turnout.layers.sampler import SamplerOutput, SamplingBatch, sample
 from turnout.worker.cuda_graphs import maybe_capture
 from turnout.worker.kv_sizing import kv_dtype, kv_geometry, plan_kv_blocks
 from turnout.worker.kv_transfer import KVTransfer, LayerGatedCaches
 from turnout.worker.prompt_logprobs import compute_chunks, merge_rows, prompt_rows
 from turnout.worker.rank_memory import RankMemory
 from turnout.worker.routed_experts import RoutingRecorder
-from turnout.layers.attention import AttentionMetadata
-from turnout.engine.sequence import SequenceFaults
-from turnout.layers.sampler import SamplerOutput, SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
 

@@ -253,8 +253,8 @@ def update_weights_from_distributed_rank(worker, names, dtypes, shapes, timeout_
     """Receive each announced tensor from the trainer (rank 0 of the group; each within ``timeout_s``), then
     write them all; the engine checked the names and shapes against the model before any rank received.
     A failed broadcast drops the group (it may be out of step), writes nothing and answers ``TimedOut``."""
-    from turnout.worker.weight_broadcast import TimedOut, broadcast, meta_weights
     from turnout.models.weight_map import update_weights
+    from turnout.worker.weight_broadcast import TimedOut, broadcast, meta_weights
 
     mem, r = worker.runner.memory, worker.runner
     if mem.weight_group is None:
@@ -278,8 +278,8 @@ def update_weights_from_distributed_rank(worker, names, dtypes, shapes, timeout_
 
 def update_weights_from_ipc_rank(worker, buckets) -> list[str]:
     """Map this rank's bucket (``buckets[worker.rank]``), write its tensors, then let go of the mapping."""
-    from turnout.worker.weight_ipc import open_bucket
     from turnout.models.weight_map import update_weights
+    from turnout.worker.weight_ipc import open_bucket
 
     r = worker.runner
     items = open_bucket(buckets[worker.rank], r.device)

@@ -17,8 +17,8 @@ import traceback
 
 import torch
 
-from turnout.worker.kv_transfer import LayerGatedCaches
 from turnout.worker import step_codec
+from turnout.worker.kv_transfer import LayerGatedCaches
 
 logger = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from turnout.entrypoints.openai.errors import APIError, error_response
 from turnout.entrypoints.openai.health import health_response
 from turnout.entrypoints.openai.http_guard import RequestGuard
 from turnout.entrypoints.openai.metrics import ServerMetrics
+from turnout.entrypoints.openai.rl_routes import register_rl_routes
 from turnout.entrypoints.openai.serve_options import ServeOptions
 from turnout.entrypoints.openai.serving_chat import create_chat_completion
 from turnout.entrypoints.openai.serving_completions import create_completion
-from turnout.entrypoints.openai.rl_routes import register_rl_routes
 from turnout.entrypoints.openai.serving_tokenize import TokenizeLane, add_tokenize_routes
 from turnout.entrypoints.openai.web import register_web_routes
 

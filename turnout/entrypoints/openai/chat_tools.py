@@ -25,8 +25,11 @@ from typing import Any
 from turnout.entrypoints.openai.errors import bad_request
 from turnout.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
 from turnout.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
-from turnout.entrypoints.openai.tool_parsers.constrained import (check_tools, constrained_tool_parser,
-                                                                 structured_outputs_for_tools)
+from turnout.entrypoints.openai.tool_parsers.constrained import (
+    check_tools,
+    constrained_tool_parser,
+    structured_outputs_for_tools,
+)
 from turnout.structured.params import StructuredOutputsError, StructuredOutputsParams
 
 

@@ -11,26 +11,24 @@ signal to a server whose engine is dead exits 1 too. 2: a bad flag or an address
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 
 from turnout import envs
 from turnout.engine.concurrency import MAX_DEFAULT_SEQS
-from turnout.entrypoints.engine_args import (add_kv_tier_and_parallel_args, add_multinode_args, add_quantization_arg,
-                                            multinode_kwargs)
+from turnout.entrypoints.engine_args import add_engine_args, add_vllm_noop_args, engine_kwargs, note_vllm_noop_args
 
 logger = logging.getLogger("turnout.serve")
 
 
 # Argument groups, in --help order; docs/serve.md's flag tables are generated from them (serve_docs.py).
-GROUPS = ("model", "engine", "server", "API", "HTTP limits", "lifecycle")
+GROUPS = ("model", "engine", "server", "API", "HTTP limits", "lifecycle", "vLLM flags without effect")
 
 
 def add_arguments(p) -> None:
     g = {name: p.add_argument_group(name) for name in GROUPS}
-    m, e, s, api, h, life = (g[n] for n in GROUPS)
+    m, e, s, api, h, life, vllm = (g[n] for n in GROUPS)
     m.add_argument("model", nargs="?", default=None,
                    help="HF model id, local directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     m.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
@@ -38,46 +36,19 @@ def add_arguments(p) -> None:
     m.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the model answers to in the API; others get 404 (default: MODEL, else the "
                         "model's name)")
-    m.add_argument("--tokenizer", default=None, help="a tokenizer other than the model's")
     m.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines; a model whose config needs its repository's own "
                         "code is refused at start-up all the same (turnout never runs model code)")
-    m.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
-                   help="how to read the weights")
-    m.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
-    m.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
-
-    e.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
-    e.add_argument("--max-model-len", type=int, default=None,
-                   help="context length; longer requests get 400 context_length_exceeded (default: the model's)")
-    e.add_argument("--max-num-seqs", type=int, default=None,
-                   help="sequences generated at once (default: as many as the KV cache holds at --max-model-len, "
-                        "256 to 1024)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step")
-    e.add_argument("--max-tokens-per-request", type=int, default=None,
-                   help="the most one request may cost: n x (prompt + max_tokens) plus its logprob entries; "
-                        "more is refused with 400 (default: no limit)")
-    e.add_argument("--fair-share-seqs", type=int, default=16,
-                   help="while others wait, one request runs at most this many of its sequences a step "
-                        "(0: no cap)")
-    add_kv_tier_and_parallel_args(e)
-    from turnout.entrypoints.engine_args import add_data_parallel_arg
-
-    add_data_parallel_arg(e)
-    add_quantization_arg(e)
-    add_multinode_args(e, headless=True)
-    e.add_argument("--block-size", type=int, default=16, help="tokens in one KV-cache block")
-    e.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache bytes (CPU default 1 GiB)")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights + KV cache")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV cache of shared prompt prefixes")
-    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                   help="no CUDA graphs")
-    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch the next decode step before the last one's tokens are read back "
-                        "(default: on for GPUs, off on CPU)")
-    e.add_argument("--ops-policy", default=None, help="op dispatch policy (as TURNOUT_OPS; docs/ops.md)")
+    # Every other engine flag comes from EngineConfig's fields (turnout/config.py holds their help texts).
+    add_engine_args(p, exclude=("model", "served_model_name"), groups={"model": m, "engine": e},
+                    helps={"max_model_len": "context length; longer requests get 400 context_length_exceeded "
+                                            "(default: the model's)",
+                           "max_tokens_per_request": "the most one request may cost: n x (prompt + max_tokens) "
+                                                     "plus its logprob entries; more is refused with 400 "
+                                                     "(default: no limit)"})
+    e.add_argument("--headless", action="store_true",
+                   help="nodes 1.. of a multi-node engine: run this node's ranks with node 0's engine "
+                        "configuration, no HTTP; exits when node 0 goes")
 
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000,
@@ -133,6 +104,7 @@ def add_arguments(p) -> None:
     life.add_argument("--dead-engine-grace", type=float, default=3.0,
                       help="seconds between the engine dying and the process exiting 1 (clients get their "
                            "errors meanwhile; /health answers 503)")
+    add_vllm_noop_args(vllm, server=True)
 
 
 def resolve_model(args) -> str | None:
@@ -146,29 +118,9 @@ def resolve_model(args) -> str | None:
 def build_config(args):
     from turnout.config import EngineConfig
 
-    if args.fair_share_seqs < 0:
-        raise ValueError(f"--fair-share-seqs: must be >= 0 (0: no cap), got {args.fair_share_seqs}")
-    return EngineConfig(
-        model=resolve_model(args), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        load_format=args.load_format, seed=args.seed, ops_policy=args.ops_policy,
-        served_model_name=(args.served_model_name or [None])[0],
-        max_tokens_per_request=args.max_tokens_per_request, fair_share_seqs=args.fair_share_seqs or None,
-        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-        data_parallel_size=args.data_parallel_size, **_distributed_kwargs(args),
-        quantization=args.quantization, batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
-              preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_offload_gb=args.kv_offload_gb,
-              **multinode_kwargs(args))
-
-
-def _distributed_kwargs(args) -> dict:
-    from turnout.entrypoints.engine_args import distributed_kwargs
-
-    return distributed_kwargs(args)
+    note_vllm_noop_args(args)
+    return EngineConfig(**engine_kwargs(args, exclude=("model", "served_model_name")), model=resolve_model(args),
+                        served_model_name=(args.served_model_name or [None])[0])
 
 
 def serve_options(args):

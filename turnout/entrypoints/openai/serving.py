@@ -217,7 +217,7 @@ class _Exchange:
     async def final_outputs(self):
         async def last(s):
             out = None
-            async for out in s:
+            async for out in s:  # noqa: B007 - the stream's last output is the answer
                 pass
             return out
 

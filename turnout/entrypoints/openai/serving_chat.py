@@ -11,10 +11,25 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from turnout.entrypoints.openai import protocol as P
 from turnout.entrypoints.openai.chat_tools import ChoiceParser, plan_tools, reasoning_parser, template_messages
 from turnout.entrypoints.openai.errors import bad_request
-from turnout.entrypoints.openai.serving import (SSE_HEADERS, Prompt, _admit, _common_checks, _Delta, _engine_error,
-                                                _structured_outputs,
-                                                _Exchange, _fit_context, _holdback, _new_id, _now,
-                                                _sampling_params, _usage, chat_logprobs, parse, sse)
+from turnout.entrypoints.openai.serving import (
+    SSE_HEADERS,
+    Prompt,
+    _admit,
+    _common_checks,
+    _Delta,
+    _engine_error,
+    _Exchange,
+    _fit_context,
+    _holdback,
+    _new_id,
+    _now,
+    _sampling_params,
+    _structured_outputs,
+    _usage,
+    chat_logprobs,
+    parse,
+    sse,
+)
 
 logger = logging.getLogger(__name__)
 

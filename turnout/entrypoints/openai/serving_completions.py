@@ -10,11 +10,27 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from turnout.entrypoints.openai import protocol as P
 from turnout.entrypoints.openai.errors import bad_request, from_value_error
-from turnout.entrypoints.openai.serving import (MAX_CHOICES_PER_REQUEST, MAX_PROMPTS_PER_REQUEST, SSE_HEADERS,
-                                                Prompt, _admit, _common_checks, _Delta, _engine_error,
-                                                _structured_outputs,
-                                                _Exchange, _fit_context, _holdback, _new_id, _now,
-                                                _sampling_params, _usage, completion_logprobs, parse, sse)
+from turnout.entrypoints.openai.serving import (
+    MAX_CHOICES_PER_REQUEST,
+    MAX_PROMPTS_PER_REQUEST,
+    SSE_HEADERS,
+    Prompt,
+    _admit,
+    _common_checks,
+    _Delta,
+    _engine_error,
+    _Exchange,
+    _fit_context,
+    _holdback,
+    _new_id,
+    _now,
+    _sampling_params,
+    _structured_outputs,
+    _usage,
+    completion_logprobs,
+    parse,
+    sse,
+)
 
 logger = logging.getLogger(__name__)
 

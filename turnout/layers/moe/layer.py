@@ -27,8 +27,14 @@ from torch import nn
 from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
-from turnout.layers.linear import (MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, all_rows_path,
-                                   one_row_path, project)
+from turnout.layers.linear import (
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    all_rows_path,
+    one_row_path,
+    project,
+)
 from turnout.layers.moe.experts import FusedExperts
 from turnout.layers.moe.router import RoutingConfig, select_experts
 from turnout.layers.norm import resolve

@@ -2,8 +2,7 @@
 
 ``select_experts`` turns router logits into ``(topk_weights fp32 [T, k], topk_ids int32 [T, k])``. Every
 expert backend (the ``moe_experts`` op) consumes exactly these tensors and never recomputes top-k: a
-backend that re-derived the ids from scores would silently drop the per-expert scale applied here
-(seed 001).
+backend that re-derived the ids from scores would silently drop the per-expert scale applied here.
 
 Rules, in order:
 

@@ -4,8 +4,22 @@ from turnout.ops.spec import OpSpec
 
 
 def all_specs() -> list[OpSpec]:
-    from turnout.ops.reference import (activation, attention, bitmask, cache, collectives, fp8, linear, moe, moe_fp8,
-                                       norm, rotary, routing, sampling, swap)
+    from turnout.ops.reference import (
+        activation,
+        attention,
+        bitmask,
+        cache,
+        collectives,
+        fp8,
+        linear,
+        moe,
+        moe_fp8,
+        norm,
+        rotary,
+        routing,
+        sampling,
+        swap,
+    )
 
     return [norm.RMS_NORM, norm.FUSED_ADD_RMS_NORM, rotary.ROTARY_EMBEDDING, rotary.QK_NORM_ROTARY, rotary.QK_NORM_ROTARY_CACHE,
             activation.SILU_AND_MUL,

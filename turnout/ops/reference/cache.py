@@ -1,7 +1,7 @@
 import torch
 
 from turnout.ops.kv_cache import FP8_KV, FP8_KV_MAX
-from turnout.ops.reference._util import randint, randn
+from turnout.ops.reference._util import randn
 from turnout.ops.spec import OpSpec, SampleCase
 
 

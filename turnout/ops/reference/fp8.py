@@ -1,4 +1,4 @@
-"""FP8 (e4m3fn) linear algebra: activation quantisation and the scaled matrix products (issue 23).
+"""FP8 (e4m3fn) linear algebra: activation quantisation and the scaled matrix products.
 
 The layouts, shared by every implementation and by turnout/quant:
 

@@ -1,4 +1,4 @@
-"""moe_experts_fp8: the routed experts with fp8 (e4m3fn) weights in 128 x 128 blocks (issue 23).
+"""moe_experts_fp8: the routed experts with fp8 (e4m3fn) weights in 128 x 128 blocks .
 
 The routing arguments and the expert are those of ``moe_experts`` (turnout/ops/reference/moe.py); the weights are
 fp8 with float32 block scales in the layout of the block-quantised checkpoints (DeepSeek-V3, Qwen3-FP8: each

@@ -1,7 +1,8 @@
 """Per-layer KV swap ops: the copies between the device cache and the host tier (turnout/kv/tiers.py).
 
 Three levels, tried in this order by the engine (turnout/worker/kv_transfer.py), each an op of its own so
-that a platform missing one keeps the others (seed 000: one missing vendor op disabled a whole module):
+that a platform missing one keeps the others (one op for all three would be disabled whole by one missing
+vendor op):
 
 - ``swap_layer_async``: one layer's k and v blocks copied on a side stream; returns the event recorded
   after the copies, which the forward waits on just before that layer (so layer i+1's copy overlaps
@@ -15,8 +16,8 @@ The ops are ``optional``: a platform with none of them still starts (recompute p
 
 import torch
 
-from turnout.ops.reference.cache import _mapping
 from turnout.ops.reference._util import randn
+from turnout.ops.reference.cache import _mapping
 from turnout.ops.spec import OpSpec, SampleCase
 
 

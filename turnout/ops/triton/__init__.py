@@ -47,6 +47,14 @@ PAYS: dict[str, bool | str] = {
     "fp8_linear": True,  # the one-row kernel streams the fp8 weight: decode rows skip activation quantisation
 }
 
+# op -> the function that binds its tile overrides when the op table is resolved (turnout/ops/triton/_tuning.py)
+TUNES: dict[str, str] = {
+    "small_m_linear": "turnout.ops.triton._tuning:small_m_tiles",
+    "add_rms_norm_linear": "turnout.ops.triton._tuning:small_m_tiles",
+    "fp8_linear": "turnout.ops.triton._tuning:small_m_tiles",
+    "moe_experts": "turnout.ops.triton.moe_decode:tuned",
+}
+
 # ops whose kernels need e4m3fn fp8 units besides Triton (turnout/ops/fp8_platform.py: sm89+ on CUDA)
 FP8_OPS = ("quantize_fp8", "scaled_mm", "block_scaled_mm", "fp8_linear", "moe_experts_fp8")
 
@@ -107,4 +115,5 @@ def register(registry) -> None:
         registry.add_impl(Impl(op=op, id="triton.default", target=f"turnout.ops.triton.{target}",
                                platforms=(TRITON_PLATFORMS,), priority=0,
                                check=_fp8_check if op in FP8_OPS else _check, choices=CHOICES.get(op, ()),
-                               pays=PAYS.get(op), kv_fp8=fp8_kv_check if op in FP8_KV_OPS else False))
+                               pays=PAYS.get(op), tunes=TUNES.get(op),
+                               kv_fp8=fp8_kv_check if op in FP8_KV_OPS else False))

@@ -39,9 +39,9 @@ except ImportError:  # pragma: no cover - older Triton or another backend: PDL s
 
 EARLY_ENV = "TURNOUT_PDL_EARLY"
 # Kernels that let their dependent launch before they wait (rule 3): none. Measured in the captured
-# Qwen3-30B-A3B step on the H200 (docs/benchmarks.md, eighth session), every choice lost 0.8-3.4 %: with the
-# split merge early, o_proj reads its weights during decode attention, and attention slows by more than
-# o_proj gains.
+# Qwen3-30B-A3B step on the H200 (docs/benchmarks.md, "fewer round trips in decode attention"), every choice lost
+# 0.8-3.4 %: with the split merge early, o_proj reads its weights during decode attention, and attention slows by
+# more than o_proj gains.
 EARLY_DEFAULT = frozenset()
 KERNEL_NAMES = envs.PDL_KERNEL_NAMES  # declared in turnout/envs.py, which validates TURNOUT_PDL_EARLY against it
 

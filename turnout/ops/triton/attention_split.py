@@ -42,7 +42,7 @@ def _split_reduce_kernel(WS_O, WS_LSE, O, num_splits, stride_wt, stride_wh, stri
     tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_type: str, index: int | None) -> int:
     if device_type == "cuda":
         return torch.cuda.get_device_properties(index or 0).multi_processor_count

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from turnout.ops.reference.fp8 import BLOCK, FP8, FP8_MAX, MIN_SCALE, weight_layout
-from turnout.ops.triton._tuning import interpreted, small_m_tiles
+from turnout.ops.triton._tuning import interpreted
 
 _INTERPRET = interpreted()
 
@@ -232,8 +232,8 @@ def _row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn,
 def _row_tiles(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the one-row kernel, the fastest of 30 tiles (2-16 KiB of fp8)
     on Qwen3-8B's projections on the H200, each from a CUDA graph of launches on weights not in L2
-    (benchmarks/fp8_row_sweep.py; docs/benchmarks.md, twelfth session): qkv 6144 x 4096 9.1 us, o 4096 x 4096
-    7.2, gate_up 24576 x 4096 28.4, down 4096 x 12288 15.5 (the previous guesses: 10.4 / 7.9 / 30.7 / 15.9).
+    (benchmarks/fp8_row_sweep.py; docs/benchmarks.md, "fp8 one-row and one-token kernels"): qkv 6144 x 4096 9.1 us, o
+    4096 x 4096 7.2, gate_up 24576 x 4096 28.4, down 4096 x 12288 15.5 (the previous guesses: 10.4 / 7.9 / 30.7 / 15.9).
     BLOCK_N divides 128. Two variants lost there and are not kept: the row as a 16-row float16 tile on the
     matrix units (13.3 / 10.8 / 28.9 / 25.2 us), and float16 products and lane sums on the CUDA cores
     (10.1 / 7.9 / 28.7 / 17.4 us): fewer conversions a weight did not make it faster."""
@@ -248,8 +248,9 @@ def _row_tiles(n: int, k: int) -> tuple[int, int, int, int]:
     return 32, 512, 8, 3
 
 
-def fp8_linear(x, weight, weight_scale, bias=None):
-    """See turnout/ops/reference/fp8.py: the one-row decode kernel at M == 1, the tiled GEMM beyond."""
+def fp8_linear(x, weight, weight_scale, bias=None, *, tiles=None):
+    """See turnout/ops/reference/fp8.py: the one-row decode kernel at M == 1, the tiled GEMM beyond. ``tiles``:
+    one-row tile overrides by (N, K) (TURNOUT_SMALL_M_TILES), bound once by the op table."""
     if x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fp8_linear takes x [M, K] and weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
     w_block = weight_layout(weight, weight_scale) == "block"
@@ -260,7 +261,7 @@ def fp8_linear(x, weight, weight_scale, bias=None):
     x = x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = small_m_tiles().get((n, k)) or _row_tiles(n, k)  # TURNOUT_SMALL_M_TILES by "N,K"
+    bn, bk, warps, stages = (tiles.get((n, k)) if tiles else None) or _row_tiles(n, k)
     bk = max(128, min(bk, triton.next_power_of_2(k)))
     bn = 1 << (bn.bit_length() - 1)  # a power of two, so a program's rows never straddle a 128-row block
     _row_kernel[(triton.cdiv(n, bn),)](x, weight, weight_scale, bias if bias is not None else y, y, n, k,

@@ -17,12 +17,14 @@ With programmatic dependent launch (turnout/ops/triton/_pdl.py) the one-row path
 tile before waiting for the previous kernel. Accumulation is fp32; the output has x's dtype. The config is
 chosen from (M, N, K) by ``pick_config``: first tuned per kernel on the H200 (``benchmarks/small_m_linear.py
 --sweep``), then the one-row tiles re-tuned in place, in a captured decode step of Qwen3-30B-A3B and Qwen3-8B
-with PDL (docs/benchmarks.md, fourth session): a kernel that is best alone is not always best in the chain.
+with PDL (docs/benchmarks.md, "tiles tuned inside the decode step"): a kernel that is best alone is not always best
+in the chain.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import triton
@@ -30,7 +32,7 @@ import triton.language as tl
 
 from turnout.ops.reference.linear import MAX_M
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
-from turnout.ops.triton._tuning import interpreted, small_m_tiles
+from turnout.ops.triton._tuning import interpreted
 
 _INTERPRET = interpreted()
 TILES_ENV = "TURNOUT_SMALL_M_TILES"  # one-row tile overrides by "N,K" (turnout/ops/triton/_tuning.py)
@@ -182,12 +184,12 @@ def block_m_for(m: int) -> int:
     return 1 if m == 1 else 16
 
 
-def pick_config(m: int, n: int, k: int) -> SmallMConfig:
+def pick_config(m: int, n: int, k: int, tiles: Mapping | None = None) -> SmallMConfig:
     """Tiles from the H200 sweeps (docs/benchmarks.md): per kernel for 2-16 rows, in a decode step for one row
-    (where ``TURNOUT_SMALL_M_TILES`` may override them by N and K)."""
+    (where ``tiles``, ``TURNOUT_SMALL_M_TILES`` bound by the op table, may override them by N and K)."""
     if block_m_for(m) == 16:
         return SmallMConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
-    override = small_m_tiles().get((n, k))  # validated by turnout.envs
+    override = tiles.get((n, k)) if tiles else None  # validated by turnout.envs
     if override is not None:
         return SmallMConfig(*override)
     if n <= 1024:  # MoE routers (N = experts), small models: few rows per program, so at least ~64 programs
@@ -212,10 +214,11 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(x, weight, bias, y, config, residual=None, norm_weight=None, eps=0.0, r_out=None, n_out=None):
+def _launch(x, weight, bias, y, config, residual=None, norm_weight=None, eps=0.0, r_out=None, n_out=None,
+            tiles=None):
     m, k = x.shape
     n = weight.shape[0]
-    cfg = config or pick_config(m, n, k)
+    cfg = config or pick_config(m, n, k, tiles)
     bm = block_m_for(m)
     use_dot = bm == 16
     bk = max(16, min(cfg.block_k, _pow2(k)))
@@ -238,29 +241,31 @@ def _launch(x, weight, bias, y, config, residual=None, norm_weight=None, eps=0.0
 def norm_fusion_pays(n: int, k: int) -> bool:
     """Whether ``add_rms_norm_linear`` beats a norm kernel plus ``small_m_linear`` for one row of this shape.
 
-    Measured in captured decode steps on the H200 (docs/benchmarks.md, fifth session): with the norm fused,
-    Qwen3-30B-A3B (qkv 5120 x 2048 in 2 K tiles, router 128 x 2048 in one) took 2.600 ms against 2.656,
+    Measured in captured decode steps on the H200 (docs/benchmarks.md, "norms fused into projections"): with the norm
+    fused, Qwen3-30B-A3B (qkv 5120 x 2048 in 2 K tiles, router 128 x 2048 in one) took 2.600 ms against 2.656,
     but Qwen3-8B (qkv 6144 x 4096 in 4 K tiles, gate_up 24576 x 4096 in 32) 4.670 against 4.268. So only
-    projections that stream K in at most two tiles, below the LM-head widths, take the fused kernel.
+    projections that stream K in at most two tiles, below the LM-head widths, take the fused kernel. The
+    measured built-in tiles decide, not a tuning override: the plan is made once, from the measurements.
     """
     return n < 16384 and k <= 2 * pick_config(1, n, k).block_k
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   config: SmallMConfig | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16), weight [N, K], bias [N] or None -> [M, N] in x's dtype."""
+                   config: SmallMConfig | None = None, *, tiles: Mapping | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16), weight [N, K], bias [N] or None -> [M, N] in x's dtype. ``tiles``: one-row tile
+    overrides by (N, K), bound once by the op table (turnout/ops/triton/_tuning.py)."""
     _check_2d("small_m_linear", x, weight)
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    _launch(_unit_last(x), _unit_last(weight), bias, y, config)
+    _launch(_unit_last(x), _unit_last(weight), bias, y, config, tiles=tiles)
     return y
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        config: SmallMConfig | None = None):
+                        config: SmallMConfig | None = None, *, tiles: Mapping | None = None):
     """See turnout/ops/reference/linear.py: -> (y [M, N], x + residual [M, K], normed [M, K]).
 
     Every program computes the row statistics itself (x and residual are a few KB, read from L2), so the norm
@@ -285,5 +290,5 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
         _, r, nm = reference(x, residual, norm_weight, eps, weight, bias)
         return y, r, nm
     _launch(x, _unit_last(weight), bias, y, config, residual, norm_weight, float(eps),
-            r_out if residual is not None else None, normed)
+            r_out if residual is not None else None, normed, tiles)
     return y, r_out, normed

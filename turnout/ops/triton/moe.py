@@ -17,7 +17,8 @@ implementation's declared choice ``kernel`` (turnout/ops/triton/__init__.py:CHOI
 shows it and ``TURNOUT_OPS="moe_experts.kernel=grouped"`` (or ``decode``) fixes it; ``auto`` is the
 measured default below.
 
-The routing is consumed as given: this file never looks at scores or recomputes top-k (seed 001).
+The routing is consumed as given: this file never looks at scores or recomputes top-k:
+the router's ids and weights already hold its per-expert scale and bias (turnout/layers/moe/router.py).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from turnout.ops.triton._tuning import interpreted
 from turnout.ops.triton import moe_decode
+from turnout.ops.triton._tuning import interpreted
 from turnout.ops.triton.moe_decode import moe_experts_decode, use_decode
 
 _INTERPRET = interpreted()
@@ -172,24 +173,25 @@ def _tile(n: int, cap: int) -> int:
 
 
 def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, *, kernel: str = "auto") -> torch.Tensor:
+                topk_ids: torch.Tensor, *, kernel: str = "auto",
+                decode_config: moe_decode.DecodeConfig | None = None) -> torch.Tensor:
     """See turnout/ops/reference/moe.py for the contract. ``kernel`` (the policy's ``moe_experts.kernel``,
-    bound once by the op table): "auto", "grouped" or "decode"."""
+    bound once by the op table): "auto", "grouped" or "decode". ``decode_config``: the decode kernels' tiles
+    (TURNOUT_MOE_DECODE_CONFIG), bound once by the op table; None: the measured ones."""
     num_tokens, hidden_size = hidden.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
+    num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
     if kernel == "auto":  # the measured default
         if use_decode(num_tokens, top_k, num_experts):
-            return moe_experts_decode(hidden, w13, w2, topk_weights, topk_ids)
+            return moe_experts_decode(hidden, w13, w2, topk_weights, topk_ids, config=decode_config)
         return moe_experts_grouped(hidden, w13, w2, topk_weights, topk_ids)
     if kernel == "grouped":
         return moe_experts_grouped(hidden, w13, w2, topk_weights, topk_ids)
     if kernel == "decode":  # the decode kernels at every T, per-slot down kernel and slot sum
-        config = replace(moe_decode._env_config(), one_token=0)
+        config = replace(decode_config or moe_decode.DEFAULT_CONFIG, one_token=0)
         return moe_experts_decode(hidden, w13, w2, topk_weights, topk_ids, config=config)
     raise ValueError(f"moe_experts: kernel must be auto, grouped or decode, got {kernel!r}")
 

@@ -23,7 +23,8 @@ column tile of H and streams that tile of every slot's expert (the k experts' ro
 pipelined loop), with the slot weight folded into the activation, so the slots are summed in registers and
 the layer needs no third kernel nor the fp32 round trip of the per-slot outputs.
 
-The routing is consumed as given (seed 001).
+The routing is consumed as given: the router's ids and weights already hold its per-expert scale and bias
+(turnout/layers/moe/router.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
-from turnout.ops.triton._tuning import interpreted, moe_decode_fields
+from turnout.ops.triton._tuning import interpreted
 from turnout.ops.triton.moe_one_token import one_token_down_kernel
 
 _INTERPRET = interpreted()
@@ -51,7 +52,7 @@ class DecodeConfig:
     block_m: int = 16
     # gate/up: columns of I per program (two weight tiles: gate and up rows). 64 beat 32 in the captured
     # Qwen3-30B-A3B step on the H200 at batch 1 (-0.8 %) and batch 64 (-0.7 %); 16 and 128 lost
-    # (docs/benchmarks.md, sixth session)
+    # (docs/benchmarks.md, "RoPE inside attention by default")
     block_n1: int = 64
     block_k1: int = 128  # over H
     # down: columns of H per program and the step over I. Tuned in Qwen3-30B-A3B decode steps on the H200
@@ -67,8 +68,8 @@ class DecodeConfig:
     num_warps2: int | None = None  # down kernel (None: as gate/up)
     num_stages2: int | None = 3
     # one token: 1 runs the down kernel that also sums the slots, 0 the per-slot kernel and the sum kernel.
-    # In the captured Qwen3-30B-A3B step on the H200 (docs/benchmarks.md, fifth session) 8 columns x the whole
-    # I (768, in a 1024 tile) with 8 warps beat the pair by 1.8 %; 256- or 512-wide K tiles lost 7-14 %.
+    # In the captured Qwen3-30B-A3B step on the H200 (docs/benchmarks.md, "norms fused into projections") 8 columns x
+    # the whole I (768, in a 1024 tile) with 8 warps beat the pair by 1.8 %; 256- or 512-wide K tiles lost 7-14 %.
     one_token: int = 1
     block_n_one: int = 8
     block_k_one: int = 1024
@@ -80,8 +81,9 @@ DEFAULT_CONFIG = DecodeConfig()
 CONFIG_ENV = "TURNOUT_MOE_DECODE_CONFIG"  # field overrides (turnout/ops/triton/_tuning.py)
 
 
-def _env_config() -> DecodeConfig:
-    fields = moe_decode_fields()  # JSON and value types validated by turnout.envs; the names here
+def decode_config(fields) -> DecodeConfig:
+    """DEFAULT_CONFIG with ``fields`` (TURNOUT_MOE_DECODE_CONFIG's, JSON and value types validated by turnout.envs;
+    the names here) replaced: made once, when the op table binds it (turnout/ops/triton/_tuning.py)."""
     if not fields:
         return DEFAULT_CONFIG
     unknown = sorted(set(fields) - set(DecodeConfig.__dataclass_fields__))
@@ -92,6 +94,12 @@ def _env_config() -> DecodeConfig:
     if nulls:
         raise ValueError(f"{CONFIG_ENV}: {nulls} must be positive ints (only num_warps2 / num_stages2 may be null)")
     return replace(DEFAULT_CONFIG, **fields)
+
+
+def tuned(tuning) -> dict:
+    """``moe_experts``'s keyword arguments from the op table's tuning settings (``turnout.envs.Envs``; bound when
+    the table is resolved, Impl.tunes): the DecodeConfig of TURNOUT_MOE_DECODE_CONFIG, or nothing."""
+    return {"decode_config": decode_config(tuning.moe_decode_config)} if tuning.moe_decode_config else {}
 
 
 def use_decode(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -253,7 +261,7 @@ def _fit(block: int, n: int) -> int:
 def moe_experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, config: DecodeConfig | None = None) -> torch.Tensor:
     """moe_experts (see turnout/ops/reference/moe.py) for few pairs; correct for any T, fast for small."""
-    cfg = config or _env_config()
+    cfg = config or DEFAULT_CONFIG
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2

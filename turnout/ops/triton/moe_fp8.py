@@ -18,7 +18,8 @@ Few tokens take turnout/ops/triton/moe_fp8_decode.py (no sort). The choice is th
 (``auto|grouped|decode``, as moe_experts': turnout/ops/triton/__init__.py CHOICES). Tiles are not swept on the
 H200 yet: BLOCK_K is the scale group, 128; BLOCK_M from the mean pairs per expert as in moe.py's gemm_config.
 
-The routing is consumed as given: nothing here looks at scores or recomputes top-k (seed 001).
+The routing is consumed as given: nothing here looks at scores or recomputes top-k:
+the router's ids and weights already hold its per-expert scale and bias (turnout/layers/moe/router.py).
 """
 
 from __future__ import annotations

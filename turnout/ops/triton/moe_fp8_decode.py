@@ -14,9 +14,9 @@ the K loop stepping by 128, one scale group:
    weight, into per-pair float32 rows; then moe_decode's slot sum.
 3. one token (batch-1 decode), both steps on the CUDA cores, one program per few weight rows so that every
    multiprocessor streams weights (the dot kernel 1 has only k x ceil(I/128) programs there: 48 on Qwen3-30B-A3B,
-   70.7 us a layer against bf16's 15.3, docs/benchmarks.md twelfth session). The activations are quantised once,
-   by ``_qdq_rows_kernel`` (one program per row: the quantised values times their scales, float32), before
-   each step, not by every program (in registers that cost a third of the weights' time at these tiles):
+   70.7 us a layer against bf16's 15.3, docs/benchmarks.md, "fp8 one-row and one-token kernels"). The activations are
+   quantised once, by ``_qdq_rows_kernel`` (one program per row: the quantised values times their scales, float32),
+   before each step, not by every program (in registers that cost a third of the weights' time at these tiles):
    ``_fp8_one_token_gate_up_kernel``: a program owns one slot and BN columns of I (gate and up rows, inside one
    128-row block each) and streams the whole H, the block scales folded into the token's row, and writes
    silu(gate) * up in float32;
@@ -27,7 +27,8 @@ the K loop stepping by 128, one scale group:
 Each 128-wide tile's product is added into float32 separately (the promotion interval of ops/triton/fp8.py: on sm90
 an fp8 dot accumulates in reduced precision). Under TRITON_INTERPRET=1 the quantised values are rounded to the
 e4m3 grid in float32 first (``round_e4m3``: the interpreter's fp32 -> fp8 cast rounds wrongly); compiled kernels
-cast directly. The routing is consumed as given (seed 001).
+cast directly. The routing is consumed as given:
+the router's ids and weights already hold its per-expert scale and bias (turnout/layers/moe/router.py).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class Fp8DecodeConfig:
     num_stages_one: int = 4
     # one token, gate/up: columns of I per program (divides 128) and its K tile over H: the fastest of 20 on
     # Qwen3-30B-A3B on the H200 (benchmarks/moe_fp8_one_token.py, the whole op from a CUDA graph: 36.1 us against
-    # 39.5 for 4 x 1024 x 4 warps; bf16 moe_experts 27.0; docs/benchmarks.md twelfth session)
+    # 39.5 for 4 x 1024 x 4 warps; bf16 moe_experts 27.0; docs/benchmarks.md, "fp8 one-row and one-token kernels")
     block_n_one_up: int = 8
     block_k_one_up: int = 512
     num_warps_one_up: int = 8

@@ -4,12 +4,14 @@ One token reads each of its k experts' weights once, and there is nothing to sha
 kernel drops the expert ownership scan and the padded ``tl.dot`` of turnout/ops/triton/moe_decode.py:
 ``one_token_down_kernel``, one program per BN columns of H, streams those rows of all k experts in one
 pipelined loop, with the slot weight folded into the activation, so the slots are summed in registers
-and no sum kernel is needed (the default for one token: docs/benchmarks.md, fifth session).
+and no sum kernel is needed (the default for one token: docs/benchmarks.md, "norms fused into projections").
 
 A gate/up counterpart (one program per slot and BN columns of I, whole-K tiles on the CUDA cores) lost to
-the ``tl.dot`` gate/up kernel in the captured step, 2.672 against 2.604 ms (sixth session), and was removed.
+the ``tl.dot`` gate/up kernel in the captured step, 2.672 against 2.604 ms (docs/benchmarks.md, "RoPE inside
+attention by default"), and was removed.
 
-``moe_experts_decode`` launches it; the routing is consumed as given (seed 001).
+``moe_experts_decode`` launches it; the routing is consumed as given:
+the router's ids and weights already hold its per-expert scale and bias (turnout/layers/moe/router.py).
 """
 
 import triton

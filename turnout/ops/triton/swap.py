@@ -6,7 +6,7 @@ the kernel gathers blocks from wherever they are and stores them wherever they g
 launch per layer (k and v together) whatever the number of blocks or how scattered they are. The DMA path
 (vendor.cuda: one ``cudaMemcpyAsync`` per run of consecutive blocks, per tensor) issues one call per
 scattered block per layer per k/v from the host thread that also launches the forward: thousands for a
-prefix-tier hit (docs/benchmarks.md, tenth session). A side-stream launch of this kernel overlaps the
+prefix-tier hit (docs/benchmarks.md, 2026-12-02: "KV tiers"). A side-stream launch of this kernel overlaps the
 forward like the DMA would, through the same per-layer events.
 
 Each program copies one chunk of one block of k or v, in the cache's own element type (fp8 as bytes).

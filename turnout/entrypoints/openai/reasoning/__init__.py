@@ -4,8 +4,12 @@ first and the tool parser to the content it leaves."""
 
 from __future__ import annotations
 
-from turnout.entrypoints.openai.reasoning.base import (ReasoningDelta, ReasoningParser, StreamingReasoningParser,
-                                                       assemble_reasoning)
+from turnout.entrypoints.openai.reasoning.base import (
+    ReasoningDelta,
+    ReasoningParser,
+    StreamingReasoningParser,
+    assemble_reasoning,
+)
 from turnout.entrypoints.openai.reasoning.parsers import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import importlib
 
-from turnout.entrypoints.openai.tool_parsers.base import (DeltaMessage, ExtractedToolCalls, StreamingToolParser,
-                                                          ToolCall, ToolParser, assemble)
+from turnout.entrypoints.openai.tool_parsers.base import (
+    DeltaMessage,
+    ExtractedToolCalls,
+    StreamingToolParser,
+    ToolCall,
+    ToolParser,
+    assemble,
+)
 
 # name -> "module:class" under this package, imported when asked for
 TOOL_PARSERS: dict[str, str] = {

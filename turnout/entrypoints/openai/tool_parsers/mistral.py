@@ -14,8 +14,13 @@ from __future__ import annotations
 import random
 import string
 
-from turnout.entrypoints.openai.tool_parsers.base import (ParseState, PartialCall, ToolParser, call_from_object,
-                                                          content_before)
+from turnout.entrypoints.openai.tool_parsers.base import (
+    ParseState,
+    PartialCall,
+    ToolParser,
+    call_from_object,
+    content_before,
+)
 from turnout.entrypoints.openai.tool_parsers.json_scan import is_json_object, parse_object, scan_value, skip_ws
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"

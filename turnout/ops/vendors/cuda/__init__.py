@@ -3,8 +3,8 @@
 Today that is vLLM's compiled extension (``vllm._C``), whose ops live in the lazy namespaces
 ``torch.ops._C`` and ``torch.ops._C_cache_ops``, and torch's own grouped GEMM for ``moe_experts``
 (``moe.py``, ranked below the Triton kernel), and ``torch._scaled_mm`` for ``scaled_mm`` (``fp8.py``). The
-loaders in ``vllm_ops`` fetch each op for real, so a wheel built without compiled ops (seed 003) shows up as
-"unavailable: ..." here, and the op falls back.
+loaders in ``vllm_ops`` fetch each op for real, so a wheel built without compiled ops (whose namespaces exist all the
+same) shows up as "unavailable: ..." here, and the op falls back.
 This module only declares; nothing is imported until an implementation is probed.
 """
 

@@ -3,9 +3,9 @@
 Pairs (token, slot) are sorted by expert (stable, on the device), the tokens gathered, then two grouped
 GEMMs over the per-expert row ranges (``offs``: cumulative row ends) with SiLU-and-mul between them,
 the routing weight applied per row, and the k slots of each token summed in float32. The routing is used
-as given (seed 001). ``torch._grouped_mm`` is private: ``load`` resolves it for real and checks that a
-CUDA kernel is registered and the device is sm90 or newer, so a torch that renames or drops it makes
-this implementation "unavailable", never a start-up crash (seed 002).
+as given: the router's ids and weights already hold its per-expert scale and bias. ``torch._grouped_mm`` is private:
+``load`` resolves it for real and checks that a CUDA kernel is registered and the device is sm90 or newer, so a torch
+that renames or drops it makes this implementation "unavailable", never a start-up crash.
 
 Registered in ``turnout/ops/vendors/cuda/__init__.py`` with ``below=("triton",)``: the conformance
 suite checks it, but it lost to the Triton paths at every batch size (docs/benchmarks.md, "MoE experts

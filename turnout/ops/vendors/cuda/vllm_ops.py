@@ -2,7 +2,7 @@
 
 Each ``load_*`` is an Impl factory: it returns the adapter once the underlying op was fetched for real,
 or raises ImplUnavailable saying what is missing. ``hasattr(torch.ops, "_C")`` proves nothing: the
-namespace is created on demand for any name (seed 003). Only ``getattr(torch.ops._C, "rms_norm")``
+namespace is created on demand for any name. Only ``getattr(torch.ops._C, "rms_norm")``
 does, and it raises when the library that defines the op was never loaded.
 """
 
