@@ -8,7 +8,7 @@ import importlib
 # architecture name -> "module:class" under turnout.models
 MODELS: dict[str, str] = {
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
-    "MistralForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
