@@ -138,7 +138,7 @@ class DecoderAttention(nn.Module):
                 self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 0.0,
                 self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox, kv_cache[0], kv_cache[1], meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
-                self.attn.scale, **self.attn.cache_kwargs)
+                self.attn.scale, **self.attn.attention_kwargs)
         elif self.qk_norm:  # per-head norms, then RoPE, in place in the fused qkv; k and v into the cache
             self.rotary_emb.with_qk_norm(positions, q, k, self.q_norm, self.k_norm, v, kv_cache, meta.slot_mapping,
                                          **self.attn.cache_kwargs)
