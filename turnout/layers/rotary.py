@@ -66,8 +66,9 @@ def inv_freq_and_scaling(config, head_dim: int, layer_type: str | None = None) -
     if rope_type == "dynamic":
         logger.warning("rope_type 'dynamic': the cache uses the base frequencies; HF rescales them "
                        "only past max_position_embeddings, which the engine does not exceed")
-    if layer_type is not None and rope_by_layer_type(config):  # transformers reads that type's dict itself
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
+    if rope_by_layer_type(config):  # transformers reads that type's dict itself (none asked: the global layers')
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"),
+                                                           layer_type=layer_type or "full_attention")
     else:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
