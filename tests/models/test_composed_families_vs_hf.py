@@ -1,6 +1,6 @@
-"""The families the decoder composes from declared parts (Gemma 2, Gemma 3 text, Mistral with a window) against
-transformers on tiny random models: logits of a batched prefill and a decode step, then greedy generation,
-within windows and far past them.
+"""The families the decoder composes from declared parts (Gemma 2, Gemma 3 text, Mistral with a window, OLMo 2's
+post-norms) against transformers on tiny random models: logits of a batched prefill and a decode step, then
+greedy generation, within windows and far past them.
 
 Each tiny config makes every part count: Gemma's soft-caps are small enough to bite (random weights give small
 scores), ``query_pre_attn_scalar`` differs from head_dim, windows are a few tokens, Gemma 3's global layers use a
@@ -34,6 +34,8 @@ def tiny_config(kind: str, window: int = 64, tied: bool = True):
             layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=False,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    if kind == "olmo2":  # post-norms only, q/k normed over the whole projection
+        return transformers.Olmo2Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=False)
     if kind == "mistral":  # the window on every layer
         return transformers.MistralConfig(**COMMON, num_hidden_layers=2, head_dim=16, sliding_window=window,
                                           tie_word_embeddings=False)
@@ -78,7 +80,7 @@ def greedy(model, config, prompt: torch.Tensor, steps: int):
     return tokens, torch.stack(logits)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "mistral"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "mistral", "olmo2"])
 def test_prefill_and_decode_match_hf_inside_the_window(kind, tmp_path, cpu_ops):
     hf = make(kind, tmp_path)
     loaded = load_model(str(tmp_path), device=torch.device("cpu"), ops=cpu_ops)

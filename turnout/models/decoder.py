@@ -132,6 +132,14 @@ class DecoderAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D], strided view of the fused qkv
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        return self.attend(positions, q, k, v, kv_cache, meta)
+
+    def attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k / v [T, Hk, D] (views of the projection) -> the output projection [T, H]: q/k norm,
+        rope, the cache write, attention. A block that projects otherwise (OLMo 2's whole-projection norms)
+        calls it after its own projection."""
+        t = q.shape[0]
         if self.rope_attention is not None and meta.max_query_len == 1:  # decode: all of it in one kernel
             out = self.rope_attention(
                 positions, q, k, v, self.q_norm.weight if self.qk_norm else None,
@@ -198,6 +206,7 @@ class DecoderForCausalLM(nn.Module):
     weight_name_rules: list = []
     ignored_weights: tuple[str, ...] = ()
     supports_tensor_parallel: bool = True
+    no_tensor_parallel_reason: str = "its expert blocks are not split"  # said when tp > 1 is refused
     # The layer's composition (turnout/models/layer_spec.py reads the rest from the config):
     norm_placement: str = "pre"  # "pre" | "sandwich" | "post" (turnout/models/decoder_layer.py)
     norm_unit_offset: bool = False  # every RMSNorm scales by (1 + w) (Gemma)
@@ -209,7 +218,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         if tp.size > 1 and not self.supports_tensor_parallel:
             raise ValueError(f"tensor_parallel_size {tp.size}: {type(self).__name__} does not support tensor "
-                             "parallelism yet (its expert blocks are not split); use tensor_parallel_size 1")
+                             f"parallelism yet ({self.no_tensor_parallel_reason}); use tensor_parallel_size 1")
         if self.norm_placement not in NORM_PLACEMENTS:
             raise ValueError(f"{type(self).__name__}.norm_placement {self.norm_placement!r}: expected one of "
                              f"{', '.join(NORM_PLACEMENTS)}")
