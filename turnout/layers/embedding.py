@@ -50,8 +50,8 @@ class VocabEmbedding(nn.Module):
                  scale: float | None = None):
         super().__init__()
         # a derived constant, not in the state dict; in the default (model) dtype the layer is built under
-        self.register_buffer("scale", None if scale is None else torch.tensor(float(scale)).to(torch.get_default_dtype()),
-                             persistent=False)
+        factor = None if scale is None else torch.tensor(float(scale)).to(torch.get_default_dtype())
+        self.register_buffer("scale", factor, persistent=False)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp = tp
         rows = vocab_rows_per_rank(num_embeddings, tp.size)

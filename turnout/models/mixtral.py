@@ -1,4 +1,5 @@
-"""Mixtral: the Mistral decoder (``sliding_window`` on every layer) with every MLP a sparse block of ``num_local_experts`` SwiGLU experts.
+"""Mixtral: the Mistral decoder (``sliding_window`` on every layer) with every MLP a sparse block of
+``num_local_experts`` SwiGLU experts.
 
 Routing: softmax over the top-k logits (the same weights as softmax, top-k, renormalise). Checkpoint
 names: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2``
