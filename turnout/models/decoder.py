@@ -1,5 +1,5 @@
-"""The decoder shared by every family (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, the MoE families), composed
-from declared parts when it is built.
+"""The decoder shared by every family (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, OLMo 2, the MoE families),
+composed from declared parts when it is built.
 
 A model family is a subclass that sets a few class attributes:
 
@@ -11,19 +11,20 @@ A model family is a subclass that sets a few class attributes:
 - ``norm_unit_offset``: every RMSNorm scales by (1 + w) (Gemma). ``scale_embeddings``: embeddings times
   sqrt(hidden_size) (Gemma). ``window_every_layer``: ``config.sliding_window`` on every layer (Mistral).
   ``attention_sinks``: a learned sink logit per head (GPT-OSS).
-
-What the config says is read for every family alike (turnout/models/layer_spec.py): the activation
-(``hidden_act`` / ``hidden_activation``), per-layer attention type (``layer_types``, ``sliding_window``), the
-attention scale (``query_pre_attn_scalar``), attention and final logit soft-caps, per-layer-type rope, biases,
-a tied head. Each choice is made once, here, when the layers are built: a Llama-shaped model runs the same
-modules and kernels it always did.
 - ``make_mlp(config, layer_idx, ops, plan)``: the feed-forward block of layer ``layer_idx``, a module
   ``forward(hidden [T, H]) -> [T, H]`` whose parameters sit under ``model.layers.{i}.mlp``. The
   default is the dense SwiGLU ``DenseMLP``; an MoE family returns its sparse block for the layers
   that have experts (and ``DenseMLP(config, ops, intermediate_size=..., plan=plan)`` for dense ones, e.g.
   GLM-4 MoE's ``first_k_dense_replace``). Its weight mapping extends ``packed_modules_mapping`` /
   ``weight_name_rules`` / ``ignored_weights`` on the class (see ``turnout.models.weight_map``).
-- ``make_attention(config, layer_idx, ops, rotary, plan)``: likewise for the attention block.
+- ``make_attention(config, layer_idx, ops, rotary, plan)``: likewise for the attention block (``rotary``: layer
+  ``layer_idx``'s rope); ``attention_spec(config, layer_idx)``: its window, soft-cap, scale and sinks.
+
+What the config says is read for every family alike (turnout/models/layer_spec.py): the activation
+(``hidden_act`` / ``hidden_activation``), per-layer attention type (``layer_types``, ``sliding_window``), the
+attention scale (``query_pre_attn_scalar``), attention and final logit soft-caps, per-layer-type rope, biases,
+a tied head. Each choice is made once, here, when the layers are built: a Llama-shaped model runs the same
+modules and kernels it always did.
 
 ``plan`` is the fusion plan (turnout/layers/fusion.py): which fused decode kernels the layers use, fixed
 when the model is built; pass it on to every block and projection.
@@ -116,8 +117,8 @@ class DecoderAttention(nn.Module):
         self.qk_norm = qk_norm
         self.rotary_emb = rotary
         scale = self.head_dim ** -0.5 if spec.scale is None else spec.scale
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, ops, **spec.attention_kwargs(),
-                              **({"tp": tp} if spec.sinks else {}))  # tp: which heads' sinks this rank holds
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, ops, tp=tp,
+                              **spec.attention_kwargs())  # tp: which heads' sinks this rank holds
         # plan.rope_attention: at decode, q/k norm, RoPE, the cache write and attention in one kernel (the
         # rotary_paged_attention op); None: the separate ops. (benchmarks/decode_ablation.py swaps it out.)
         self.rope_attention = (lambda *args, **kw: ops.rotary_paged_attention(*args, **kw)) if plan.rope_attention \
