@@ -180,3 +180,26 @@ def test_bf16_on_gpu_matches_hf_past_the_window(kind, window, tmp_path):
         full = hf(torch.cat([prompt, torch.tensor(tokens)])[None].to(dev)).logits[0, len(prompt) - 1: -1]
     errs = [rel_err(logits[i], full[i]) for i in range(steps)]
     assert max(errs) < 5e-2 and sum(errs) / steps < 2e-2, [round(e, 4) for e in errs]
+
+
+def test_attention_sinks_load_from_the_attention_block(cpu_ops):
+    """``attention_sinks``: the checkpoint's ``self_attn.sinks`` (GPT-OSS's name) fills each layer's Attention
+    sinks; a checkpoint without them is refused, naming the tensor."""
+    from turnout.models.decoder import DecoderForCausalLM
+    from turnout.models.weight_map import load_weights
+
+    class WithSinks(DecoderForCausalLM):
+        attention_sinks = True
+
+    config = tiny_config("mistral")
+    with torch.device("meta"):  # the checkpoint's names and shapes
+        shapes = {n: p.shape for n, p in transformers.MistralForCausalLM(config).named_parameters()}
+    model = WithSinks(config, cpu_ops)
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(shape, generator=gen) for n, shape in shapes.items()}
+    sinks = {f"model.layers.{i}.self_attn.sinks": torch.randn(4, generator=gen) for i in range(2)}
+    load_weights(model, {**weights, **sinks}.items())
+    for i, layer in enumerate(model.model.layers):
+        assert torch.equal(layer.self_attn.attn.sinks, sinks[f"model.layers.{i}.self_attn.sinks"])
+    with pytest.raises(ValueError, match=r"missing.*self_attn\.attn\.sinks"):
+        load_weights(WithSinks(config, cpu_ops), weights.items())
