@@ -58,7 +58,9 @@ def cpu_ops():
 
 def make(kind: str, tmp_path, window: int = 64, seed: int = 0, tied: bool = True):
     torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, window, tied), dtype=torch.float32).eval()
+    # eager: transformers 5.17 lets Gemma 2 run on SDPA, which drops the attention soft-cap
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, window, tied), dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
     _randomise(hf, seed)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     return hf
