@@ -7,7 +7,8 @@ each setting, time replays, check the logits.
 A setting is a set of environment variables (re-read through ``turnout.envs.reload()`` before each capture, and
 looked up when kernels launch, hence at capture): ``TURNOUT_PDL``,
 and the tile overrides of turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``,
-``TURNOUT_MOE_DECODE_CONFIG``). Model switches are also accepted: ``"model:fused_prenorm": "0"`` captures
+``TURNOUT_MOE_DECODE_CONFIG``); ``TURNOUT_ATTN_DECODE`` (decode attention's tiles, bound when an op table is
+resolved) resolves a table for its setting and builds the model again over it. Model switches are also accepted: ``"model:fused_prenorm": "0"`` captures
 the step with the plain pre-norm kernels instead of norms fused into the projections (the fusion plan's
 ``prenorm_linear``), ``"model:rope_attention": "0"`` with q/k norm, RoPE and the cache write in their own
 kernel instead of inside the attention kernel (``rope_attention``; on unless ``TURNOUT_ROPE_ATTENTION=0`` at
@@ -120,6 +121,7 @@ def main() -> int:
     copy_gb_s = copy_bandwidth(runner.device)  # GB/s
     base_env = dict(os.environ)
     from turnout.layers.fusion import plan_fusions
+    from turnout.ops import resolve
 
     base_model = runner.model
     base_plan = base_model.plan
@@ -136,7 +138,11 @@ def main() -> int:
         rope = setting.get("model:rope_attention", "1" if base_plan.rope_attention else "0") == "1" and rope_available
         plan = dataclasses.replace(base_plan, prenorm_linear=fused, prenorm_pays=possible.prenorm_pays if fused else None,
                                    rope_attention=rope)
-        runner.model = base_model if plan == base_plan else _rebuilt(base_model, runner.ops, plan)
+        # the decode attention tiles are bound into the op table when it is resolved: a setting of them resolves a
+        # table of its own and builds the model again over it
+        attn_tiles = "TURNOUT_ATTN_DECODE" in setting
+        ops = resolve(runner.ops.platform, runner.ops.policy) if attn_tiles else runner.ops
+        runner.model = base_model if plan == base_plan and not attn_tiles else _rebuilt(base_model, ops, plan)
         runner.graphs = None
         gc.collect()
         torch.cuda.empty_cache()

@@ -99,6 +99,7 @@ _CASES = [
     ([1, 6, 1], [21, 6, 90], 4, 2, 96, 16, None, None, True),
     ([1, 1, 3], [50, 33, 20], 8, 2, 72, 16, 16, 5.0, True),
     ([1, 4], [20, 4], 2, 1, 192, 16, None, None, False),
+    ([1, 1], [200, 150], 4, 2, 32, 16, 80, None, True),  # split-KV decode: the window's tiles split, the merge's sink
 ]
 
 
@@ -123,7 +124,8 @@ def _samples(device, dtype, gen):
 PAGED_ATTENTION = OpSpec(
     "paged_attention", paged_attention, _samples,
     tolerance={"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)},
-    doc="causal attention of new tokens over a paged KV cache (prefill with prefix, and decode), GQA")
+    doc="causal attention of new tokens over a paged KV cache (prefill with prefix, and decode), GQA; optional "
+        "sliding window, logit soft-cap, per-head sinks")
 
 
 def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -173,6 +175,7 @@ def _rotary_samples(device, dtype, gen):
         ([1, 1], [90, 7], 4, 2, 96, 96, True, True, 16, 24, 3.0, True),
         ([1, 1, 1], [40, 2, 75], 4, 1, 80, 40, True, False, 16, 10, None, False),
         ([5, 1], [9, 30], 4, 2, 72, 72, True, True, 8, 6, None, True),
+        ([1, 1], [100, 60], 4, 2, 64, 64, True, False, 16, None, 2.0, True),  # split-KV decode with the sink
     ]
     for i, (qlens, kvlens, hq, hk, d, rot, neox, norm, bs, window, cap, sinks) in enumerate(cases):
         b, t = len(qlens), sum(qlens)
