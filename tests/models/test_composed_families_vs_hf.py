@@ -205,3 +205,33 @@ def test_attention_sinks_load_from_the_attention_block(cpu_ops):
         assert torch.equal(layer.self_attn.attn.sinks, sinks[f"model.layers.{i}.self_attn.sinks"])
     with pytest.raises(ValueError, match=r"missing.*self_attn\.attn\.sinks"):
         load_weights(WithSinks(config, cpu_ops), weights.items())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "gpu-plan"])
+def test_gemma3_through_the_triton_kernels_matches_hf(fused, tmp_path):
+    """Gemma 3 on the Triton implementations (the interpreter on CPU): (1 + w) q/k norms inside
+    qk_norm_rotary_cache, GeGLU, and paged attention over windows of 5 tokens in a batched prefill and a decode
+    step (prompts of 5, 17 and 9 tokens: the window slides inside the prefill and across a KV block). With a
+    GPU's plan the decode step runs q/k norm, rope, the cache write and windowed attention in one kernel."""
+    from turnout.layers.fusion import NO_FUSIONS, FusionPlan
+    from turnout.ops import Policy
+
+    platform = detect_platform("cpu")
+    if not platform.triton_usable()[0]:
+        pytest.skip("Triton does not run here")
+    ops = resolve(platform, Policy.parse("prefer=triton"))
+    for op in ("qk_norm_rotary_cache", "paged_attention", "rotary_paged_attention", "fused_add_rms_norm",
+               "gelu_tanh_and_mul"):
+        assert ops.chosen(op) == "triton.default", op
+    hf = make("gemma3", tmp_path, window=5, seed=3)
+    plan = FusionPlan(one_row_linear=True, prenorm_linear=True, rope_attention=True) if fused else NO_FUSIONS
+    loaded = load_model(str(tmp_path), device=torch.device("cpu"), ops=ops, plan=plan)
+    assert all(layer.self_attn.rope_attention is not None for layer in loaded.model.model.layers) == fused
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (5, 17, 9)]
+    prefill, next_ids, decode = run_prefill_and_decode(loaded.model, loaded.hf_config, prompts, "cpu", torch.float32)
+    with torch.no_grad():
+        for b, p in enumerate(prompts):
+            assert rel_err(prefill[b], hf(p[None]).logits[0]) < 1e-4, f"prefill seq {b}"
+            ref_next = hf(torch.cat([p, next_ids[b: b + 1]])[None]).logits[0, -1]
+            assert rel_err(decode[b], ref_next) < 1e-4, f"decode seq {b}"
