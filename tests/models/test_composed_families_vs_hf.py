@@ -141,7 +141,7 @@ def test_a_mistral_window_covering_every_position_is_no_window(cpu_ops):
     assert all(layer.self_attn.attn.sliding_window is None for layer in model.model.layers)
 
 
-def test_unknown_layer_types_and_activations_are_refused(cpu_ops):
+def test_unknown_layer_types_activations_and_masks_are_refused(cpu_ops):
     from turnout.models.registry import get_model_class
 
     config = tiny_config("gemma2")
@@ -152,6 +152,10 @@ def test_unknown_layer_types_and_activations_are_refused(cpu_ops):
     config.hidden_activation = "gelu"
     with torch.device("meta"), pytest.raises(ValueError, match="hidden_activation 'gelu'"):
         get_model_class(["Gemma2ForCausalLM"])(config, cpu_ops)
+    config = tiny_config("gemma3")
+    config.use_bidirectional_attention = True
+    with torch.device("meta"), pytest.raises(ValueError, match="use_bidirectional_attention"):
+        get_model_class(["Gemma3ForCausalLM"])(config, cpu_ops)
 
 
 # ---- GPU: bf16 through the platform's kernels (Triton attention with windows and caps, the fused decode path) ----

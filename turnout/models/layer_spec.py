@@ -76,6 +76,8 @@ def attention_spec(config, layer_idx: int, window_every_layer: bool = False, sin
 
     A window that covers ``max_position_embeddings`` is no window (Mistral-style configs often carry one), so
     such a layer keeps the plain attention kernels."""
+    if getattr(config, "use_bidirectional_attention", False):  # encoder use of the Gemma 3 stack (EmbeddingGemma)
+        raise ValueError("use_bidirectional_attention is set: turnout's attention is causal only")
     layer_type = layer_types(config)[layer_idx]
     window = _positive(config, "sliding_window")
     if layer_type == "full_attention" and not (window_every_layer and getattr(config, "layer_types", None) is None):
