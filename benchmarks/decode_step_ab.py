@@ -7,7 +7,7 @@ each setting, time replays, check the logits.
 A setting is a set of environment variables: ``TURNOUT_PDL`` (re-read through ``turnout.envs.reload()``
 before each capture, and looked up when kernels launch, hence at capture), and the tile overrides of
 turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``, ``TURNOUT_MOE_DECODE_CONFIG``), which the op table
-binds into the kernels when it is resolved: a setting that has them gets an op table of its own
+binds into the kernels when it is resolved (``TURNOUT_ATTN_DECODE``, decode attention's tiles, too): a setting that has them gets an op table of its own
 (``resolve(..., tuning=envs.load(environ))``) and the model built again on it, as a model switch is. Model
 switches are also accepted: ``"model:fused_prenorm": "0"`` captures the step with the plain pre-norm kernels
 instead of norms fused into the projections (the fusion plan's ``prenorm_linear``), ``"model:rope_attention": "0"``
@@ -135,7 +135,8 @@ def main() -> int:
         os.environ.update(base_env)
         os.environ.update({k: v for k, v in setting.items() if not k.startswith("model:")})
         envs.reload()  # turnout reads the environment once; the kernels see this setting from the next capture
-        tiles = any(k in TILE_VARIABLES for k in setting)
+        # decode attention's tiles (TURNOUT_ATTN_DECODE) are bound when an op table is resolved, as the others are
+        tiles = any(k in TILE_VARIABLES or k == "TURNOUT_ATTN_DECODE" for k in setting)
         ops = resolve(runner.ops.platform, runner.ops.policy, tuning=envs.get()) if tiles else runner.ops
         fused = setting.get("model:fused_prenorm", "1") != "0" and fused_available
         rope = setting.get("model:rope_attention", "1" if base_plan.rope_attention else "0") == "1" and rope_available

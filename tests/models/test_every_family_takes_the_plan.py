@@ -19,7 +19,10 @@ SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_lay
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
 CONFIGS = {
     "LlamaForCausalLM": lambda: transformers.LlamaConfig(**SMALL),
-    "MistralForCausalLM": lambda: transformers.MistralConfig(**SMALL),
+    "MistralForCausalLM": lambda: transformers.MistralConfig(**SMALL, sliding_window=8),
+    "Gemma2ForCausalLM": lambda: transformers.Gemma2Config(**SMALL, head_dim=8, sliding_window=8),
+    "Gemma3ForCausalLM": lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=8, sliding_window=8),
+    "Olmo2ForCausalLM": lambda: transformers.Olmo2Config(**SMALL),
     "Qwen2ForCausalLM": lambda: transformers.Qwen2Config(**SMALL),
     "Qwen3ForCausalLM": lambda: transformers.Qwen3Config(**SMALL, head_dim=8),
     "Qwen3MoeForCausalLM": lambda: transformers.Qwen3MoeConfig(**SMALL, **MOE, num_experts=4, head_dim=8),
@@ -30,6 +33,7 @@ CONFIGS = {
                                                              topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
                                                              head_dim=8),
 }
+POST_NORM = {"Olmo2ForCausalLM"}
 PLAN = FusionPlan(one_row_linear=True, prenorm_linear=True, prenorm_pays=lambda n, k: True, rope_attention=True)
 
 
@@ -52,9 +56,12 @@ def test_the_plan_reaches_every_layer(arch):
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     attention = [m for m in model.modules() if isinstance(m, DecoderAttention)]
     assert len(layers) == len(attention) == config.num_hidden_layers
-    assert all(m.fuse_prenorms for m in layers) and all(m.rope_attention is not None for m in attention)
+    # every layer with pre-norms fuses them (a post-norm layer has none: its blocks read the stream itself)
+    prenormed = [m for m in layers if hasattr(m, "input_layernorm")]
+    assert all(m.fuse_prenorms for m in prenormed) and all(m.rope_attention is not None for m in attention)
+    assert len(prenormed) == len(layers) or arch in POST_NORM
     # the first projection of each block that takes a pending norm computes it
-    assert all(m.self_attn.qkv_proj.takes_norm for m in layers)
+    assert all(m.self_attn.qkv_proj.takes_norm for m in prenormed)
     for m in plain.modules():
         assert getattr(m, "one_row_ops", None) is None and not getattr(m, "fuse_prenorms", False)
         assert getattr(m, "rope_attention", None) is None

@@ -84,6 +84,20 @@ def _cases():
            dict(G=8, G_TILE=8, NUM_HEAD_TILES=1, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, BS=16, HEAD_D=128, D_PAD=128,
                 SPLIT=True, PRECISION=None, ROPE=True, HAS_NORM=True, IS_NEOX=True, ROT=128, HALF=64,
                 ONE_TOKEN=True, FP8_KV=True, ROUND=False, F16_DOT=True, V_PAIRS=True, **PDL), {})
+    variant_types = {**dict.fromkeys(("Q", "K", "V", "O", "QW", "KW", "KN", "VN"), B), "BT": I32, "SEQ_LENS": I32,
+                     "QSL": I32, "WS_O": F32, "WS_LSE": F32, "qk_scale": "fp32", "POS": I64, "CS": F32, "SLOTS": I64,
+                     "eps": "fp32", "SINKS": F32}
+    yield ("paged_attention decode one token, window, soft-cap, sinks (split)", attention._paged_attn_kernel,
+           variant_types,
+           dict(G=8, G_TILE=8, NUM_HEAD_TILES=1, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, BS=16, HEAD_D=96, D_PAD=128,
+                SPLIT=True, PRECISION=None, ROPE=True, HAS_NORM=True, IS_NEOX=True, ROT=96, HALF=48,
+                ONE_TOKEN=True, WINDOW=4096, SOFTCAP=50.0, HAS_SINKS=True, **PDL), {})
+    yield ("paged_attention prefill, window, sinks", attention._paged_attn_kernel, variant_types,
+           dict(G=4, G_TILE=4, NUM_HEAD_TILES=1, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, BS=16, HEAD_D=64, D_PAD=64,
+                SPLIT=False, PRECISION=None, ROPE=False, HAS_NORM=False, IS_NEOX=True, ROT=1, HALF=1,
+                WINDOW=128, HAS_SINKS=True, **PDL), {})
+    yield ("split_reduce sinks", attention._split_reduce_kernel, {"WS_O": F32, "WS_LSE": F32, "O": B, "SINKS": F32},
+           dict(S_PAD=4, HEAD_D=96, D_PAD=128, HAS_SINKS=True, **PDL), {})
     for pdl in (PDL, {"PDL": 2}):  # 2: launches its dependent before it waits (TURNOUT_PDL_EARLY)
         yield (f"split_reduce PDL={pdl['PDL']}", attention._split_reduce_kernel, {"WS_O": F32, "WS_LSE": F32, "O": B},
                dict(S_PAD=4, HEAD_D=128, D_PAD=128, **pdl), {})

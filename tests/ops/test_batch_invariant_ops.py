@@ -8,6 +8,7 @@ The untagged implementations chosen by default are printed for contrast, not ass
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -198,12 +199,22 @@ def _attention_fn(op, fn, paged):
     return through_rotary
 
 
+# the attention variants (turnout/ops/reference/attention_variants.py): a window shorter than a chunk and not a
+# multiple of the 32-key blocks, and a soft-cap with per-head sinks
+_VARIANTS = {"plain": {}, "window": {"sliding_window": 13},
+             "softcap-sinks": {"logit_softcap": 4.0, "sinks": torch.linspace(-2.0, 3.0, HQ)}}
+
+
+@pytest.mark.parametrize("variant", list(_VARIANTS))
 @pytest.mark.parametrize("op,impl_id,fn", [p for p in _impls() if p.values[0] in _ATTENTION])
-def test_attention_rows_are_the_same_in_any_batch_and_chunking(op, impl_id, fn):
+def test_attention_rows_are_the_same_in_any_batch_and_chunking(op, impl_id, fn, variant):
+    kw = dict(_VARIANTS[variant])
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].to(DEV)
     for dtype in _dtypes(impl_id):
         gen = torch.Generator().manual_seed(1)
         paged = _Paged([45, 9, 70, 33, 20, 51], getattr(torch, dtype), gen)
-        attn = _attention_fn(op, fn, paged)
+        attn = _attention_fn(op, functools.partial(fn, **kw) if kw else fn, paged)
         whole = paged.run(attn, [(0, 0, 45)])[0]  # the followed sequence: one prefill, alone
         ways = {
             "chunks 16+13+16": [paged.run(attn, [(0, a, b)])[0] for a, b in ((0, 16), (16, 29), (29, 45))],

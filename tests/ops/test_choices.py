@@ -192,7 +192,9 @@ def test_tuning_variable_is_named_beside_the_default(registry, monkeypatch):
     envs.reload()
     cand = resolve_op("paged_attention", registry, GPU, Policy()).candidate("triton.default")
     assert cand.choices[0]["note"] == "TURNOUT_ATTN_DECODE sets num_splits=2 at decode"
-    assert cand.fn is triton_attention.paged_attention  # the variable still works as before
+    # the variable's tiles are bound once, as the table is resolved (never read at launch)
+    assert isinstance(cand.fn, functools.partial) and cand.fn.func is triton_attention.paged_attention
+    assert cand.fn.keywords == {"decode_tuning": {"num_splits": 2}}
 
 
 # --- vendor.cuda moe_experts: registered, ranked below Triton -----------------------------------------

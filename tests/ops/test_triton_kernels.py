@@ -126,7 +126,7 @@ def test_split_count_from_the_tuning_env(monkeypatch):
     for splits in (1, 3, 16):
         monkeypatch.setenv(attention.TUNING_ENV, f'{{"num_splits": {splits}}}')
         envs.reload()
-        _close(attention.paged_attention(*args), want, 2e-5, 2e-5)
+        _close(attention.paged_attention_tuned()(*args), want, 2e-5, 2e-5)  # as the op table resolves it
     monkeypatch.setenv(attention.TUNING_ENV, '{"num_splits": 0}')
     with pytest.raises(ValueError, match="TURNOUT_ATTN_DECODE"):  # at start-up (turnout.envs)
         envs.reload()
@@ -142,7 +142,7 @@ def test_kv_tile_from_the_tuning_env(monkeypatch):
                     '{"block_n": 256, "num_stages": 1}'):
         monkeypatch.setenv(attention.TUNING_ENV, setting)
         envs.reload()
-        _close(attention.paged_attention(*args), want, 2e-5, 2e-5)
+        _close(attention.paged_attention_tuned()(*args), want, 2e-5, 2e-5)  # as the op table resolves it
     for bad, field in (('{"block_n": 48}', "block_n"), ('{"block_n": 8}', "block_n"), ('{"num_warps": 0}', "num_warps"),
                        ('{"num_stages": "2"}', "num_stages")):
         monkeypatch.setenv(attention.TUNING_ENV, bad)

@@ -133,7 +133,10 @@ def uses_tl_dot(fn) -> bool:
         except (OSError, TypeError):
             pass
         for value in vars(mod).values():
-            name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            # a Triton kernel imported from a sibling module is a wrapper (its __module__ may be Triton's, under
+            # the interpreter); the function it wraps names the module that holds the tl.dot
+            name = value.__name__ if isinstance(value, types.ModuleType) else \
+                getattr(getattr(value, "fn", value), "__module__", None)
             if isinstance(name, str) and name.startswith(package + ".") and name not in seen and name in sys.modules:
                 todo.append(sys.modules[name])
     return False

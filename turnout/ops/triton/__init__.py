@@ -16,6 +16,8 @@ KERNELS: dict[str, str] = {
     "qk_norm_rotary": "rotary:qk_norm_rotary",
     "qk_norm_rotary_cache": "rotary:qk_norm_rotary_cache",
     "silu_and_mul": "activation:silu_and_mul",
+    "gelu_tanh_and_mul": "activation:gelu_tanh_and_mul",
+    "clamped_swiglu": "activation:clamped_swiglu",
     "reshape_and_cache": "cache:reshape_and_cache",
     "copy_blocks": "cache:copy_blocks",
     "swap_blocks": "cache:swap_blocks",
@@ -108,12 +110,20 @@ CHOICES: dict[str, tuple[Choice, ...]] = {
 }
 
 
+# ops whose target is a factory that binds its launch tuning once, when the op table is resolved
+# (turnout/ops/triton/attention.py: with_decode_tuning), never at launch
+FACTORIES: dict[str, str] = {
+    "paged_attention": "attention:paged_attention_tuned",
+    "rotary_paged_attention": "attention:rotary_paged_attention_tuned",
+}
+
+
 def register(registry) -> None:
     for op, target in KERNELS.items():
         if op not in registry.ops:  # an op whose declaration is not loaded
             continue
-        registry.add_impl(Impl(op=op, id="triton.default", target=f"turnout.ops.triton.{target}",
-                               platforms=(TRITON_PLATFORMS,), priority=0,
+        registry.add_impl(Impl(op=op, id="triton.default", target=f"turnout.ops.triton.{FACTORIES.get(op, target)}",
+                               factory=op in FACTORIES, platforms=(TRITON_PLATFORMS,), priority=0,
                                check=_fp8_check if op in FP8_OPS else _check, choices=CHOICES.get(op, ()),
                                pays=PAYS.get(op), tunes=TUNES.get(op),
                                kv_fp8=fp8_kv_check if op in FP8_KV_OPS else False))

@@ -23,8 +23,10 @@ _PROGRAMS_PER_SM = 2
 
 @triton.jit
 def _split_reduce_kernel(WS_O, WS_LSE, O, num_splits, stride_wt, stride_wh, stride_ws, stride_lt, stride_lh,
-                         stride_ot, stride_oh, S_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
-                         PDL: tl.constexpr):
+                         stride_ot, stride_oh, SINKS, S_PAD: tl.constexpr, HEAD_D: tl.constexpr,
+                         D_PAD: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr = False):
+    """out = sum_s 2^lse_s o_s / sum_s 2^lse_s (lse in log2 units). HAS_SINKS: the head's sink logit (natural
+    units, SINKS [H] float32) joins the denominator once, here, not in every split."""
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -37,8 +39,14 @@ def _split_reduce_kernel(WS_O, WS_LSE, O, num_splits, stride_wt, stride_wh, stri
     # rows, an empty split zeros with lse -inf, so no row read here is uninitialised
     o = tl.load(WS_O + t * stride_wt + h * stride_wh + offs_s[:, None] * stride_ws + offs_d[None, :],
                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    w = tl.exp2(lse - tl.max(lse, 0))  # empty splits have lse -inf: weight 0
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(tl.max(lse, 0), sink)
+        w = tl.exp2(lse - top)
+        out = tl.sum(w[:, None] * o, 0) / (tl.sum(w, 0) + tl.exp2(sink - top))
+    else:
+        w = tl.exp2(lse - tl.max(lse, 0))  # empty splits have lse -inf: weight 0
+        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
 

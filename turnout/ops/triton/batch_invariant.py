@@ -23,11 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from turnout.ops.reference.attention_variants import check_variants
 from turnout.ops.reference.batch_invariant import combine_slots
 from turnout.ops.triton._tuning import interpreted
 from turnout.ops.triton.moe import GemmConfig, grouped_pair_outputs
 
 _INTERPRET = interpreted()
+_LOG2E = tl.constexpr(1.4426950408889634)
 GEMM_BLOCK_M = 32  # the one row tile of every linear call
 ATTN_BLOCK_M, ATTN_BLOCK_N = 16, 32  # query rows per program; keys per step, aligned to position 0
 # One config for every call (BLOCK_M 16 rows of (token, slot) pairs); the column / K tiles are clipped by
@@ -94,15 +96,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*lead, n)
 
 
+@triton.jit
+def _tanh(x):
+    """tanh from one exp2 (Triton has no portable tanh): 1 - 2 / (e^2x + 1), saturating to +-1."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
+
+
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return linear(x, weight, bias)
 
 
 @triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, tiles_per_seq,
-                 stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, block_size, group, D,
+                 stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, block_size, group, D, sinks_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+                 HAS_SINKS: tl.constexpr = False):
+    """WINDOW / SOFTCAP / HAS_SINKS: the variants (turnout/ops/reference/attention_variants.py). With a window the
+    walk starts at the aligned block holding the tile's first window position: a block before a row's own window
+    is masked whole for it and leaves it exactly as it was (a row with no key yet stays at 0), so where the walk
+    starts changes no row's bits; no key before the tile's first window position is loaded."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
     seq = pid // tiles_per_seq
@@ -127,9 +140,16 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, 
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     end = first + tl.minimum(q_len, (tile + 1) * BLOCK_M)  # keys 0 .. end - 1 reach some row of the tile
-    for j in range(0, end, BLOCK_N):
+    j0 = 0
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(first + tile * BLOCK_M - WINDOW + 1, 0)
+        j0 = lo // BLOCK_N * BLOCK_N
+    for j in range(j0, end, BLOCK_N):
         kpos = j + tl.arange(0, BLOCK_N)
         k_ok = kpos < kv_len
+        if WINDOW > 0:
+            k_ok = k_ok & (kpos >= lo)
         blk = tl.load(tables_ptr + seq * stride_tb + kpos // block_size, mask=k_ok, other=0).to(tl.int64)
         off = blk * stride_kb + (kpos % block_size) * stride_ks + kv_head * stride_kh
         k = tl.load(k_ptr + off[:, None] + dims[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
@@ -138,21 +158,37 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, 
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BM, BN], log2 units
-        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if SOFTCAP > 0.0:
+            s = (SOFTCAP * _LOG2E) * _tanh(s / (SOFTCAP * _LOG2E))
+        if WINDOW > 0:
+            s = tl.where((kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - WINDOW), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_f)
+        l_i = l_i * alpha + tl.exp2(sink - m_f)
+        acc = acc * alpha[:, None]
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + local)[:, None].to(tl.int64) * stride_qt + head * stride_qh + dims[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len: int,
-                    max_seq_len: int, scale: float) -> torch.Tensor:
+                    max_seq_len: int, scale: float, *, sliding_window=None, logit_softcap=None,
+                    sinks=None) -> torch.Tensor:
     """The ``paged_attention`` contract (turnout/ops/reference/attention.py)."""
+    check_variants(sliding_window, logit_softcap, sinks, query.shape[1])
     query = query.contiguous()
     out = torch.empty_like(query)
     t, hq, d = query.shape
@@ -160,13 +196,21 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     if t == 0 or b == 0:
         return out
     tiles = triton.cdiv(max(int(max_query_len), 1), ATTN_BLOCK_M)
+    variants = {}  # only those in use: the default call compiles the kernel as it always was
+    if sliding_window is not None:
+        variants["WINDOW"] = int(sliding_window)
+    if logit_softcap is not None:
+        variants["SOFTCAP"] = float(logit_softcap)
+    if sinks is not None:
+        variants["HAS_SINKS"] = True
     _attn_kernel[(b * tiles, hq)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * 1.4426950408889634, tiles,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), k_cache.shape[1], hq // k_cache.shape[2], d,
+        sinks.to(query.device).contiguous() if sinks is not None else query,
         BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)),
         PRECISION=_precision(query.dtype), UPCAST=_upcast(query.dtype), num_warps=4,
-        num_stages=1 if _INTERPRET else 2)
+        num_stages=1 if _INTERPRET else 2, **variants)
     return out
 
 
