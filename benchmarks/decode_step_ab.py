@@ -8,7 +8,8 @@ A setting is a set of environment variables (re-read through ``turnout.envs.relo
 looked up when kernels launch, hence at capture): ``TURNOUT_PDL``,
 and the tile overrides of turnout/ops/triton/_tuning.py (``TURNOUT_SMALL_M_TILES``,
 ``TURNOUT_MOE_DECODE_CONFIG``); ``TURNOUT_ATTN_DECODE`` (decode attention's tiles, bound when an op table is
-resolved) resolves a table for its setting and builds the model again over it. Model switches are also accepted: ``"model:fused_prenorm": "0"`` captures
+resolved) resolves a table for its setting and builds the model again over it. Model switches are also
+accepted: ``"model:fused_prenorm": "0"`` captures
 the step with the plain pre-norm kernels instead of norms fused into the projections (the fusion plan's
 ``prenorm_linear``), ``"model:rope_attention": "0"`` with q/k norm, RoPE and the cache write in their own
 kernel instead of inside the attention kernel (``rope_attention``; on unless ``TURNOUT_ROPE_ATTENTION=0`` at

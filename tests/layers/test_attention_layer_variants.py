@@ -71,7 +71,8 @@ def test_sinks_load_this_ranks_heads():
         whole.sinks.weight_loader(whole.sinks, torch.zeros(6))
 
 
-@pytest.mark.parametrize("kw,name", [({"sliding_window": 0}, "sliding_window"), ({"logit_softcap": 0.0}, "logit_softcap"),
+@pytest.mark.parametrize("kw,name", [({"sliding_window": 0}, "sliding_window"),
+                                     ({"logit_softcap": 0.0}, "logit_softcap"),
                                      ({"sliding_window": True}, "sliding_window")])
 def test_bad_variant_names_the_field(kw, name):
     with pytest.raises(ValueError, match=name):

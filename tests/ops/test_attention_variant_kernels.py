@@ -152,3 +152,37 @@ def test_gpu_conformance_of_every_attention_implementation(op, dtype):
             if not ok:
                 failures.append(f"{impl.id} {case.label}: {msg}")
     assert ran and not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+def test_gpu_windowed_decode_time_follows_the_window():
+    """Decode in bf16 (32 query heads, 8 KV heads, head dim 128, 8 sequences) with a 4096-key window: over a
+    65,536-token context it takes about what it takes over a 4,096-token one (the loop starts at the window),
+    while full attention over the long context takes several times longer."""
+    b, hq, hk, d, bs, window = 8, 32, 8, 128, 16, 4096
+
+    def args(context):
+        nb = b * context // bs
+        k_cache = torch.randn(nb, bs, hk, d, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.arange(nb, dtype=torch.int32, device="cuda").view(b, -1)
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+        return (q, k_cache, v_cache, tables, torch.full((b,), context, dtype=torch.int32, device="cuda"),
+                torch.arange(b + 1, dtype=torch.int32, device="cuda"), 1, context, d ** -0.5)
+
+    def ms(a, **kw):
+        for _ in range(3):
+            attention.paged_attention(*a, **kw)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            attention.paged_attention(*a, **kw)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20
+
+    short, long = args(4096), args(65536)
+    t_short, t_long = ms(short, sliding_window=window), ms(long, sliding_window=window)
+    t_full = ms(long)
+    assert t_long < 1.5 * t_short + 0.02, (t_short, t_long)
+    assert t_full > 4 * t_long, (t_full, t_long)

@@ -62,7 +62,8 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          max_query_len: int, max_seq_len: int, scale: float,
                          num_splits: int | None = None, rope: tuple | None = None, k_scale=None,
                          v_scale=None, *, sliding_window: int | None = None, logit_softcap: float | None = None,
-                         sinks: torch.Tensor | None = None, decode_tuning: Mapping[str, int] = NO_TUNING) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None,
+                         decode_tuning: Mapping[str, int] = NO_TUNING) -> torch.Tensor:
     """paged_attention with the split count exposed (None: choose; 1: never split). ``rope`` (decode only):
     (positions, key, value, q_weight, k_weight, eps, cos_sin_cache, is_neox, slot_mapping) of
     ``rotary_paged_attention``; then ``query`` is the raw q and the kernel does the rest. k_scale / v_scale:
