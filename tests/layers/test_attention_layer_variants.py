@@ -71,8 +71,62 @@ def test_sinks_load_this_ranks_heads():
         whole.sinks.weight_loader(whole.sinks, torch.zeros(6))
 
 
-@pytest.mark.parametrize("kw,name", [({"sliding_window": 0}, "sliding_window"), ({"logit_softcap": 0.0}, "logit_softcap"),
+@pytest.mark.parametrize("kw,name", [({"sliding_window": 0}, "sliding_window"),
+                                     ({"logit_softcap": 0.0}, "logit_softcap"),
                                      ({"sliding_window": True}, "sliding_window")])
 def test_bad_variant_names_the_field(kw, name):
     with pytest.raises(ValueError, match=name):
         Attention(4, 2, 16, math.sqrt(1 / 16), None, **kw)
+
+
+@pytest.mark.parametrize("policy", ["", "rotary_paged_attention=triton;paged_attention=triton"])
+def test_fused_decode_path_computes_the_layers_variant(policy):
+    """The decoder's fused decode (q/k norm, RoPE, cache write and attention in one op, the fusion plan's
+    rope_attention) gets the layer's variant, and equals the unfused path over the same cache (the platform's
+    default ops, and the Triton kernels: on CPU under the interpreter)."""
+    from types import SimpleNamespace
+
+    from turnout.layers.fusion import FusionPlan
+    from turnout.layers.rotary import RotaryEmbedding
+    from turnout.models.decoder import DecoderAttention
+    from turnout.ops.dispatch import resolve
+    from turnout.ops.policy import Policy
+    from turnout.ops.reference.rotary import make_cos_sin_cache
+    from turnout.platforms import detect_platform
+
+    platform = detect_platform()
+    ops = resolve(platform, Policy.from_sources(policy or None, platform=platform, env={}))
+    if policy:
+        assert ops.chosen("rotary_paged_attention") == "triton.default"
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=24,
+                             rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    blocks = []
+    for fused in (False, True):
+        rotary = RotaryEmbedding(24, make_cos_sin_cache(24, 128), True, ops)
+        block = DecoderAttention(config, ops, rotary, qkv_bias=False, o_bias=False, qk_norm=True,
+                                 plan=FusionPlan(rope_attention=fused))
+        block.attn = Attention(4, 2, 24, 24 ** -0.5, ops, sliding_window=6, logit_softcap=2.0, sinks=True)
+        blocks.append(block)
+    for p_plain, p_fused in zip(blocks[0].parameters(), blocks[1].parameters()):
+        with torch.no_grad():
+            p_plain.normal_(0, 0.3)
+            p_fused.copy_(p_plain)
+    n, bs = 20, 4
+    hidden = torch.randn(n, 64)
+    tables = torch.arange(6, dtype=torch.int32)[None]
+    caches = [(torch.zeros(6, bs, 2, 24), torch.zeros(6, bs, 2, 24)) for _ in blocks]
+    outs = []
+    for block, cache in zip(blocks, caches):
+        prefill = AttentionMetadata(torch.arange(n - 1), tables, torch.tensor([n - 1], dtype=torch.int32),
+                                    torch.tensor([0, n - 1], dtype=torch.int32), n - 1, n - 1)
+        block(torch.arange(n - 1), hidden[: n - 1], cache, prefill)
+        decode = AttentionMetadata(torch.tensor([n - 1]), tables, torch.tensor([n], dtype=torch.int32),
+                                   torch.tensor([0, 1], dtype=torch.int32), 1, n)
+        outs.append(block(torch.tensor([n - 1]), hidden[n - 1:], cache, decode))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert blocks[1].rope_attention is not None  # the fused path ran
+    # and the variant mattered: the same block without it gives another output
+    blocks[0].attn = Attention(4, 2, 24, 24 ** -0.5, ops)
+    plain = blocks[0](torch.tensor([n - 1]), hidden[n - 1:], caches[0], decode)
+    assert (plain - outs[0]).abs().max() > 1e-3

@@ -62,12 +62,13 @@ def paged_attention_impl(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          max_query_len: int, max_seq_len: int, scale: float,
                          num_splits: int | None = None, rope: tuple | None = None, k_scale=None,
                          v_scale=None, *, sliding_window: int | None = None, logit_softcap: float | None = None,
-                         sinks: torch.Tensor | None = None, decode_tuning: Mapping[str, int] = NO_TUNING) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None,
+                         decode_tuning: Mapping[str, int] = NO_TUNING) -> torch.Tensor:
     """paged_attention with the split count exposed (None: choose; 1: never split). ``rope`` (decode only):
     (positions, key, value, q_weight, k_weight, eps, cos_sin_cache, is_neox, slot_mapping) of
     ``rotary_paged_attention``; then ``query`` is the raw q and the kernel does the rest. k_scale / v_scale:
     an fp8 cache's (turnout/ops/kv_cache.py). sliding_window / logit_softcap / sinks: the variants
-    (turnout/ops/reference/attention_variants.py). ``decode_tuning``: fixed decode tiles (``bind_decode_tuning``)."""
+    (turnout/ops/reference/attention_variants.py). ``decode_tuning``: fixed decode tiles (``with_decode_tuning``)."""
     check_variants(sliding_window, logit_softcap, sinks, query.shape[1])
     num_tokens, hq, head_dim = query.shape
     out = torch.empty((num_tokens, hq, head_dim), dtype=query.dtype, device=query.device)
@@ -156,7 +157,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     sinks: torch.Tensor | None = None, num_splits: int | None = None,
                     decode_tuning: Mapping[str, int] = NO_TUNING) -> torch.Tensor:
     """``num_splits`` (the policy's ``paged_attention.num_splits``, bound once by the op table): None chooses;
-    it applies to decode only (prefill is never split). ``decode_tuning``: bound once too (bind_decode_tuning)."""
+    it applies to decode only (prefill is never split). ``decode_tuning``: bound once too (with_decode_tuning)."""
     if max_query_len > _SPLIT_MAX_Q:
         num_splits = None
     return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
