@@ -99,6 +99,11 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         return cls(config)
 
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes and leave the process group (tensor parallel); idempotent. The
+        engine's memory goes with its last reference."""
+        self.executor.shutdown()
+
     def _eos_ids(self) -> set[int]:
         ids = set()
         for src in (getattr(self.hf_config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
