@@ -27,13 +27,16 @@ def _fakechip_registry():
     return reg
 
 
-def test_cpu_default_skips_async_for_want_of_streams():
+def test_cpu_default_has_no_use_for_async_copies():
+    """No device streams, nothing to overlap: swap_layer_async is not needed on the cpu, said quietly (not
+    "skipped", not "unavailable")."""
     table = resolve(CPU, Policy.from_sources(platform=CPU))
     strategy, skipped = choose_strategy(table)
     assert strategy == ("sync per layer", "swap_layer")
-    assert [op for op, _ in skipped] == ["swap_layer_async"]
-    assert "no device streams" in skipped[0][1]
-    assert "unavailable: swap_layer_async" in summary_line(table)
+    assert skipped == []
+    assert "no device streams" in table.resolutions["swap_layer_async"].not_needed
+    line = summary_line(table)
+    assert "1 not needed here" in line and "unavailable" not in line
 
 
 def test_missing_vendor_names_fall_back_one_by_one():
@@ -42,7 +45,8 @@ def test_missing_vendor_names_fall_back_one_by_one():
     table = resolve(CPU, pol, registry=reg)
     strategy, skipped = choose_strategy(table)
     assert strategy == ("whole cache", "swap_blocks")  # the rest of the table is intact
-    assert dict(skipped).keys() == {"swap_layer_async", "swap_layer"}
+    assert dict(skipped).keys() == {"swap_layer"}  # the cpu has no use for async copies, whoever offers them
+    assert table.resolutions["swap_layer_async"].not_needed
     assert "no attribute 'swap_cache_per_layer'" in dict(skipped)["swap_layer"]
     for op in ("swap_layer_async", "swap_layer"):
         assert not table.available(op)
@@ -57,7 +61,7 @@ def test_no_swap_op_at_all_leaves_the_engine_table_whole():
     pol = Policy.parse("swap_layer_async=vendor.cuda;swap_layer=vendor.cuda;swap_blocks=vendor", source="test")
     table = resolve(CPU, pol)  # optional ops: no OpUnavailableError for the whole table
     strategy, skipped = choose_strategy(table)
-    assert strategy is None and [op for op, _ in skipped] == ["swap_layer_async", "swap_layer", "swap_blocks"]
+    assert strategy is None and [op for op, _ in skipped] == ["swap_layer", "swap_blocks"]  # async: not needed here
     assert table.available("paged_attention") and callable(table.paged_attention)
     assert "not in the policy's order for swap_blocks" in dict(skipped)["swap_blocks"]
 

@@ -44,7 +44,8 @@ def test_json_shape(registry, monkeypatch):
     rows = json.loads(text)
     assert isinstance(rows, list) and [r["op"] for r in rows] == sorted(registry.ops)
     for r in rows:
-        assert set(r) == {"op", "chosen", "candidates"} | ({"error"} if r["chosen"] is None else set())
+        # an op the cpu has no use for (swap_layer_async: no device streams) says so, and is no error
+        assert set(r) == {"op", "chosen", "candidates"} | ({"not_needed"} if r["chosen"] is None else set())
         assert r["chosen"] == _cpu_default(registry, r["op"])  # on cpu, by default
         assert {c["impl"] for c in r["candidates"]} == registry.impl_ids(r["op"])
         for c in r["candidates"]:
@@ -61,7 +62,8 @@ def test_text_shape(registry, monkeypatch):
     assert "builtin:cuda" in text and "* builtin:cpu" in text  # what each platform probe said
     assert "policy: (platform default)" in text
     for op in registry.ops:
-        assert f"{op}  ->  {_cpu_default(registry, op) or 'NONE'}" in text
+        assert f"{op}  ->  {_cpu_default(registry, op) or 'not needed on this platform'}" in text
+    assert "NONE" not in text and "   ! " not in text  # nothing missing on cpu
     assert "   * reference.torch  available" in text
 
 
@@ -124,11 +126,25 @@ def test_check_reports_fail(registry):
 def test_check_runs_what_exists_here(registry):
     # Whatever Triton kernel exists runs under TRITON_INTERPRET=1 (tests/conftest.py); the rest is SKIP.
     rc, text = run_main(registry, check=True, device="cpu", ops=["silu_and_mul"])
-    verdicts = [line for line in text.splitlines()[1:] if line.strip()
+    *body, summary = text.splitlines()[1:]
+    verdicts = [line for line in body if line.strip()
                 and "no non-reference implementation is available here" not in line]  # a GPU without the interpreter
     assert verdicts and all(any(v in line for v in ("PASS", "FAIL", "SKIP")) for line in verdicts)
     assert rc == (1 if any("FAIL" in line for line in verdicts) else 0)
     assert any("vendor.cuda" in line and "SKIP" in line for line in verdicts)
+    # the last line counts them: implementations that pass, fail, could not be tested here
+    count = {v: sum(f" {v}" in line for line in verdicts) for v in ("PASS", "FAIL", "SKIP")}
+    assert summary.endswith(f"pass, {count['FAIL']} fail, {count['SKIP']} skipped"), (summary, count)
+    assert summary.startswith(f"{count['PASS']} implementation"), (summary, count)
+
+
+def test_an_op_the_platform_has_no_use_for_is_not_a_failure(registry):
+    """swap_layer_async overlaps copies on device streams; the cpu has none: "not needed", not NONE / SKIP."""
+    rc, text = run_main(registry, device="cpu", ops=["swap_layer_async"])
+    assert rc == 0 and "swap_layer_async  ->  not needed on this platform" in text and "NONE" not in text
+    rc, text = run_main(registry, check=True, device="cpu", ops=["swap_layer_async"])
+    assert rc == 0 and "NOT NEEDED" in text and "no device streams" in text, text
+    assert text.splitlines()[-1] == "0 implementations pass, 0 fail, 0 skipped"
 
 
 # --- the command line ---------------------------------------------------------------------------

@@ -104,9 +104,64 @@ def test_prompt_logprobs_bounded_and_checked(server):
         assert r.status_code == want, (value, r.text)
         if want == 400:
             assert r.json()["error"]["param"] == "prompt_logprobs", r.text
-    r = httpx.post(server.base_url + "/v1/completions", timeout=60,
-                   json={"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1, "echo": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    r = httpx.post(server.base_url + "/v1/completions", timeout=60,  # echo's logprobs are bounded alike
+                   json={"prompt": PROMPT, "max_tokens": 1, "logprobs": 6, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
+def _echo_check(hf, lp, generated: list[int]):
+    """An echoed choice's logprobs (vLLM's layout): the prompt's tokens (None at position 0), then the
+    generated ones; every value HF's log_softmax on the same weights."""
+    ids = PROMPT + generated
+    ref = _hf_prompt_logprobs(hf, ids)
+    assert lp.tokens == [f"t{t}" for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        assert abs(lp.token_logprobs[pos] - float(ref[pos - 1, ids[pos]])) <= 1e-4, pos
+        top = torch.topk(ref[pos - 1], 2)
+        assert {f"t{t}": pytest.approx(v, abs=1e-4) for t, v in zip(top.indices.tolist(), top.values.tolist())} \
+            == lp.top_logprobs[pos]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+
+
+def test_echo_with_logprobs_is_the_prompt_then_the_output(client, model):
+    """What lm-eval's log-likelihood tasks send: the prompt's logprobs lead the choice's, then the output's."""
+    _, hf = model
+    r = client.completions.create(model=None, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    c = r.choices[0]
+    generated = [int(ref.argmax()) for ref in _hf_prompt_logprobs(hf, PROMPT)[-1:]]
+    _echo_check(hf, c.logprobs, generated)
+    prompt_text = " ".join(f"t{t}" for t in PROMPT)
+    assert c.text.startswith(prompt_text) and c.text != prompt_text
+    assert r.usage.completion_tokens == 1 and r.usage.prompt_tokens == len(PROMPT)
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [], "text": ""}
+    for chunk in client.completions.create(model=None, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=2,
+                                           echo=True, stream=True):
+        for ch in chunk.choices:
+            streamed["text"] += ch.text
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                streamed[key] += getattr(ch.logprobs, key) if ch.logprobs else []
+    assert streamed == {**c.logprobs.model_dump(), "text": c.text}
+
+
+def test_echo_without_generation(client, model):
+    """max_tokens 0 with echo (vLLM accepts it): the prompt and its logprobs alone, no completion tokens."""
+    _, hf = model
+    for stream in (False, True):
+        kw = dict(model=None, prompt=PROMPT, max_tokens=0, temperature=0, logprobs=2, echo=True)
+        if not stream:
+            r = client.completions.create(**kw)
+            c = r.choices[0]
+            assert r.usage.completion_tokens == 0
+            text, lp = c.text, c.logprobs
+        else:
+            chunks = [ch for chunk in client.completions.create(stream=True, **kw) for ch in chunk.choices]
+            assert len(chunks) == 1
+            c, text, lp = chunks[0], chunks[0].text, chunks[0].logprobs
+        assert text == " ".join(f"t{t}" for t in PROMPT) and c.finish_reason == "length"
+        _echo_check(hf, lp, [])
+    r = httpx.post(str(client.base_url) + "completions", json={"prompt": PROMPT, "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
 def test_return_token_ids_plain_and_streamed(client):

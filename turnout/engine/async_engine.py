@@ -22,6 +22,7 @@ from turnout.engine.async_rl import AsyncRolloutMixin
 from turnout.engine.llm_engine import EngineStats
 from turnout.engine.outputs import RequestOutput
 from turnout.engine.sampling_params import SamplingParams
+from turnout.engine.stats_log import StatsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,10 @@ class AsyncLLMEngine(AsyncRolloutMixin):
 
     def __init__(self, engine, *, max_queue: int = 1024, max_num_seqs: int = 256,
                  observer: EngineObserver | None = None, idle_poll_s: float = 0.5,
-                 on_dead: Callable[[BaseException], None] | None = None):
+                 on_dead: Callable[[BaseException], None] | None = None, log_stats_interval_s: float | None = 10.0):
+        """``log_stats_interval_s``: the periodic stats line's window (turnout/engine/stats_log.py); None: off."""
         self.engine = engine
+        self._stats_log = StatsLogger(log_stats_interval_s) if log_stats_interval_s else None
         self.on_dead = on_dead  # called on the event loop once the engine thread has died
         self.max_queue = max_queue
         self.max_num_seqs = max_num_seqs
@@ -359,6 +362,8 @@ class AsyncLLMEngine(AsyncRolloutMixin):
     def _publish_stats(self, added: int, aborted: int) -> None:
         self.last_loop = time.monotonic()
         snap = self.engine.get_stats()  # a fresh EngineStats each call
+        if self._stats_log is not None:
+            self._stats_log.observe(snap)
         with self._lock:
             self.stats = snap
             self._unaccounted -= added

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 from typing import Sequence as Seq
 
@@ -23,6 +24,29 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         self._gate = GenerationGate(self.engine)  # pause / abort from another thread (generation_gate.py)
+
+    def shutdown(self) -> None:
+        """Release what the engine holds: the other ranks' processes and the process group (so another
+        tensor-parallel LLM can start in this process), the weights and the KV cache. Idempotent; any later
+        call on this LLM is a RuntimeError. Also done by leaving ``with LLM(...) as llm:``, and, for ranks and
+        process group, when a dropped LLM is garbage-collected."""
+        engine = self.engine
+        if isinstance(engine, _ShutDown):
+            return
+        self.engine = self._gate = _ShutDown()
+        engine.shutdown()
+        del engine
+        gc.collect()  # the engine's parts refer to each other: free the weights and the cache now
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -171,6 +195,13 @@ class LLM:
     def collective_rpc(self, method, args=(), kwargs=None) -> list:
         """``method`` (a worker method name, or a callable taking the worker first) on every rank."""
         return self.engine.executor.collective_rpc(method, args, kwargs)
+
+
+class _ShutDown:
+    """What ``LLM.engine`` is after ``shutdown()``: every use says so."""
+
+    def __getattr__(self, name):
+        raise RuntimeError("this LLM was shut down (LLM.shutdown()); create a new one")
 
 
 class _ProgressBar:

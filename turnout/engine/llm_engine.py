@@ -58,10 +58,12 @@ class LLMEngine:
 
         from turnout.executor import make_executor
         from turnout.kv.block_manager import BlockManager
+        from turnout.loader.source import check_model_exists
         from turnout.ops import Policy, log_table, resolve
         from turnout.platforms import detect_platform
 
         t0 = time.perf_counter()
+        check_model_exists(config.model)  # a mistyped path fails now, not after the platform and op table
         self.config = config
         self.platform = detect_platform(config.device)
         self.ops = resolve(self.platform, Policy.for_config(config, platform=self.platform))
@@ -98,6 +100,11 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         return cls(config)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes and leave the process group (tensor parallel); idempotent. The
+        engine's memory goes with its last reference."""
+        self.executor.shutdown()
 
     def _eos_ids(self) -> set[int]:
         ids = set()

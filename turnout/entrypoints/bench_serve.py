@@ -194,9 +194,16 @@ async def _bench(args) -> tuple[dict, list, float]:
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))) as client:
         model = args.model or await _served_model(client, args.base_url)
+        # a tokenizer (the embedded GGUF's above all) and thousands of prompts take a while: say so
+        started = time.perf_counter()
+        if args.dataset == "random":
+            logger.info("loading the tokenizer for %s ...", args.tokenizer or args.model or model)
         tokenizer = (data.resolve_tokenizer(args.tokenizer, args.model or model)
                      if args.dataset == "random" else None)
+        logger.info("building the requests (%s dataset) ...", args.dataset)
         reqs = build_requests(args, tokenizer)
+        logger.info("%d requests ready in %.1f s; sending them to %s", len(reqs), time.perf_counter() - started,
+                    args.base_url)
         results, t0, duration = await _drive(client, args, reqs, model)
     summary = metrics.summarize(results, duration, args.percentiles, args.slos, t0)
     config = {"bench": "serve", "base_url": args.base_url, "endpoint": args.endpoint, "model": model,

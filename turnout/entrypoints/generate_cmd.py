@@ -1,6 +1,7 @@
 """`turnout generate`: stream text for one prompt; a progress bar (tokens/s) for many."""
 
 import argparse
+import os
 import sys
 
 from turnout.config import EngineConfig
@@ -12,8 +13,8 @@ EXCLUDED = ("model", "seed", "served_model_name", "data_parallel_size")
 
 
 def add_arguments(p) -> None:
-    # The positionals are the prompts (any text), so the model is always --model: a positional MODEL before
-    # them could not be told from a prompt.
+    # The positionals are the prompts (any text); a first one that is an existing model file or directory is
+    # taken as the model (run: _model_given_as_prompt), as vLLM users type it.
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     p.add_argument("--model", default=None, help=EngineConfig.__dataclass_fields__["model"].metadata["help"])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -27,12 +28,34 @@ def add_arguments(p) -> None:
     add_vllm_noop_args(p)
 
 
+def _model_given_as_prompt(args) -> None:
+    """``turnout generate model.gguf "prompt"``: the first positional is a model, not text. A .gguf file or a
+    directory with a config.json is taken as the model (when --model is not given); a name ending in .gguf
+    that does not exist is an error naming it, never silently a prompt."""
+    first = args.prompts[0]
+    if args.model is not None or "\n" in first:
+        return
+    path = os.path.expanduser(first)
+    is_model = (os.path.isfile(path) and first.endswith(".gguf")) or os.path.isfile(os.path.join(path, "config.json"))
+    if not is_model and first.endswith(".gguf") and " " not in first:
+        raise ValueError(f"model file {first!r} does not exist (the model is --model MODEL or "
+                         "the first argument; the prompts follow)")
+    if not is_model:
+        return
+    if len(args.prompts) == 1:
+        raise ValueError(f"{first!r} is a model, and no prompt follows it "
+                         f"(turnout generate {first} \"PROMPT\")")
+    args.model, args.prompts = first, args.prompts[1:]
+
+
 def run(args) -> int:
     import time
 
     from turnout.engine.llm import LLM
     from turnout.engine.sampling_params import SamplingParams
     from turnout.entrypoints.engine_args import engine_kwargs, note_vllm_noop_args
+
+    _model_given_as_prompt(args)
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)

@@ -75,6 +75,7 @@ class MultiprocExecutor:
 
         world = config.tensor_parallel_size
         self.world_size = world
+        _collect_dropped_engines()
         self._dir = tempfile.mkdtemp(prefix="turnout-rdzv-")
         init_method = f"file://{os.path.join(self._dir, 'store')}"
         driver_init, local, self._remote = init_method, world, remote
@@ -99,9 +100,14 @@ class MultiprocExecutor:
             self._from.append(from_r)
         self.health.procs = self._procs
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._to, self._dir, remote)
-        watchdog = threading.Thread(target=self._watch_start_up, daemon=True, name="turnout-tp-start-up")
-        self._starting = True
+        # what the finalizer leaves: this engine's process group (filled once the driver has joined it), so that
+        # an engine dropped without shutdown() still frees it and its ranks, and a later engine can start
+        self._group: list = []
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._to, self._dir, remote, self._group)
+        # the watchdog holds the processes and an event, not this executor, which a dropped engine must free
+        started = threading.Event()
+        watchdog = threading.Thread(target=_watch_start_up, args=(self._procs, started), daemon=True,
+                                    name="turnout-tp-start-up")
         watchdog.start()
         try:
             if remote is not None:  # the other machines' ranks, in rank order after this machine's
@@ -110,6 +116,7 @@ class MultiprocExecutor:
                 self._from += conns
             self.worker = Worker(config, rank=0, world_size=world, init_method=driver_init, platform=platform,
                                  ops=ops, runner=False, local_rank=remote.driver_local_rank if remote else None)
+            self._group.append(self.worker.tp)
             self._expect("loaded")  # every shard is in memory before the runners' collectives (memory profile)
             self.worker.build_runner(step_publisher=StepPublisher(self._to, self.worker.tp.group, self.health))
             blocks = [self.worker.runner.num_blocks] + self._expect("ready")
@@ -117,7 +124,7 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         finally:
-            self._starting = False
+            started.set()
         self.loaded = self.worker.loaded
         self.runner = _DriverRunner(self.worker.runner, self.health)
         self.health.start_watchdog()
@@ -133,19 +140,6 @@ class MultiprocExecutor:
                 raise RuntimeError(f"tensor-parallel worker failed to start: {value}")
             values.append(value)
         return values
-
-    def _watch_start_up(self) -> None:
-        """A rank that dies during start-up leaves the others waiting in the rendezvous (until its timeout):
-        say at once which one, and how it ended."""
-        import time
-
-        while self._starting:
-            for rank, p in enumerate(self._procs, start=1):
-                if p.exitcode is not None and self._starting:
-                    logger.error("tensor-parallel worker rank %d (pid %d) exited with code %s during start-up",
-                                 rank, p.pid, p.exitcode)
-                    return
-            time.sleep(0.2)
 
     def collective_rpc(self, method, args=(), kwargs=None) -> list:
         """``method`` (a Worker method name, or an importable callable taking the worker first) on every rank,
@@ -172,9 +166,10 @@ class MultiprocExecutor:
         self._closed = True
         self.health.close()
         self._finalizer()
-        from turnout.distributed import destroy_distributed
+        if not self._group:  # a start-up that failed after the driver joined the world but before it was noted
+            from turnout.distributed import destroy_distributed
 
-        destroy_distributed()
+            destroy_distributed()
 
 
 class _DriverRunner:
@@ -201,7 +196,35 @@ class _DriverRunner:
             self._health.step_ended()
 
 
-def _shutdown(procs, conns, rdzv_dir, remote=None) -> None:
+def _watch_start_up(procs, started) -> None:
+    """A rank that dies during start-up leaves the others waiting in the rendezvous (until its timeout): say at
+    once which one, and how it ended."""
+    while not started.wait(0.2):
+        for rank, p in enumerate(procs, start=1):
+            if p.exitcode is not None and not started.is_set():
+                logger.error("tensor-parallel worker rank %d (pid %d) exited with code %s during start-up",
+                             rank, p.pid, p.exitcode)
+                return
+
+
+def _collect_dropped_engines() -> None:
+    """An engine dropped without shutdown() may sit in a reference cycle, its process group still joined, until
+    the garbage collector runs: run it before joining a new one. One still alive is a clear error here, not
+    torch.distributed's "trying to initialize the default process group twice"."""
+    import gc
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    if dist.is_initialized():
+        raise RuntimeError("tensor_parallel_size > 1: this process already belongs to a torch.distributed process "
+                           "group (another tensor-parallel LLM still alive? call its shutdown() first, or use it as "
+                           "a context manager: `with LLM(...) as llm:`)")
+
+
+def _shutdown(procs, conns, rdzv_dir, remote=None, group=()) -> None:
     quit_msg = step_codec.QUIT.ljust(8, b"\0")
     for c in conns:
         try:
@@ -217,3 +240,7 @@ def _shutdown(procs, conns, rdzv_dir, remote=None) -> None:
     shutil.rmtree(rdzv_dir, ignore_errors=True)
     if remote is not None:
         remote.close()
+    from turnout.distributed import current_tp_group, destroy_distributed
+
+    if group and current_tp_group() is group[0]:  # leave the world this engine joined, not a later one's
+        destroy_distributed()

@@ -138,27 +138,40 @@ def _weights(src: ModelSource, hf_config, reader, files):
 class _Progress:
     """One bar over a whole load: the checkpoint header, the config, every weight tensor, the tokenizer.
 
-    Only on a terminal: tqdm disables itself when stderr is not a TTY, so logs and tests stay quiet.
+    On a terminal a tqdm bar; elsewhere (a server's log, a test) tqdm disables itself, and a long load says
+    how far it is at INFO every ``LOG_EVERY_S`` seconds instead, so a log is never silent for minutes.
     """
 
+    LOG_EVERY_S = 10.0
+
     def __init__(self, desc: str):
+        import time
+
         from tqdm.auto import tqdm
 
+        self.desc, self.what, self.clock, self.n, self.total = desc, "", time.monotonic, 0, None
         self.bar = tqdm(desc=desc, unit=" steps", disable=None, leave=False, mininterval=0.5)
+        self.last_log = self.clock()
 
     def doing(self, what: str, total: int | None = None) -> None:
         if total is not None:
-            self.bar.total = total
+            self.bar.total = self.total = total
+        self.what = what
         self.bar.set_postfix_str(what)
 
     def done(self, n: int = 1) -> None:
         self.bar.update(n)
+        self.n += n  # (a disabled tqdm counts nothing)
+        if self.bar.disable and self.clock() - self.last_log >= self.LOG_EVERY_S:
+            self.last_log = self.clock()
+            at = f"{100.0 * self.n / self.total:.0f} %" if self.total else f"{self.n} steps"
+            logger.info("%s: %s (%s)", self.desc, at, self.what)
 
     def over(self, items, what: str):
         self.doing(what)
         for item in items:
             yield item
-            self.bar.update(1)
+            self.done(1)
 
     def close(self) -> None:
         self.bar.close()

@@ -40,6 +40,23 @@ def default_model_path() -> str:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def looks_like_local_path(model: str) -> bool:
+    """A name meant as a file or directory here, not a Hub id: it exists, names a .gguf file, or starts like a
+    path (/, ./, ../, ~) or is not of the Hub's owner/name form."""
+    return (Path(model).expanduser().exists() or model.endswith(".gguf") or model.startswith(("/", ".", "~"))
+            or not _HUB_ID.match(model))
+
+
+def check_model_exists(model: str | None) -> None:
+    """A ValueError naming ``model`` when it is a local path that does not exist (or the default model is
+    not installed): called before anything loads, so a typo costs no start-up."""
+    if model is None:
+        default_model_path()
+    elif looks_like_local_path(model) and not Path(model).expanduser().exists():
+        raise ValueError(f"model: {model!r} does not exist (no such file or directory; a Hub id has the form "
+                         "owner/name)")
+
+
 def resolve_source(model: str | None, *, config_only: bool = False) -> ModelSource:
     if model is None:
         return ModelSource(Path(default_model_path()), "gguf", "default (SmolLM2-135M-Instruct Q4_1)")

@@ -52,6 +52,9 @@ class Resolution:
     chosen: str | None
     candidates: list[Candidate]  # in the order tried; then the ones the policy excludes
     error: str | None = None  # why nothing was chosen (strict policy, no candidate)
+    # an optional op whose own requirement this platform does not meet (swap_layer_async without device
+    # streams): nothing to serve, and nothing missing; why, in words
+    not_needed: str | None = None
 
     def candidate(self, impl_id: str) -> Candidate:
         return next(c for c in self.candidates if c.impl == impl_id)
@@ -71,6 +74,8 @@ class Resolution:
         }
         if self.error:
             d["error"] = self.error
+        if self.not_needed:
+            d["not_needed"] = self.not_needed
         return d
 
 
@@ -196,6 +201,8 @@ def resolve_op(op: str, registry: Registry, platform, policy: Policy, tuning=Non
         res.chosen = None
         res.error = (f"{where}: strict policy ({policy.source}) and the first candidate {cands[0].impl} "
                      f"is unavailable: {cands[0].reason}")
+    elif chosen is None and not need_ok and registry.ops[op].optional:
+        res.not_needed = need_why
     elif chosen is None:
         tried = "; ".join(f"{c.impl}: {c.reason}" for c in cands) or "no implementation registered"
         res.error = f"{where} has no usable implementation (policy {policy.describe()}). Tried: {tried}"
@@ -222,7 +229,8 @@ class OpTable:
             raise AttributeError(name)
         res = self.resolutions.get(name)
         if res is not None:  # an optional op with no implementation here
-            raise OpUnavailableError(res.error or f"op {name!r} has no implementation here")
+            raise OpUnavailableError(res.error or (f"op {name!r} is not needed on this platform: {res.not_needed}"
+                                                   if res.not_needed else f"op {name!r} has no implementation here"))
         raise AttributeError(f"the op table has no op {name!r}; it has: {', '.join(sorted(self.resolutions))}")
 
     def _settle(self, op: str, fn: Callable) -> None:
@@ -341,7 +349,7 @@ def summary_line(table: OpTable) -> str:
     families: dict[str, int] = {}
     fell_back: dict[tuple[str, str], list[str]] = {}
     for r in table.resolutions.values():
-        family = r.chosen.split(".", 1)[0] if r.chosen else "none"
+        family = r.chosen.split(".", 1)[0] if r.chosen else ("not needed here" if r.not_needed else "none")
         families[family] = families.get(family, 0) + 1
         for c in r.candidates:  # the tried ones come first, in policy order; the excluded ones after
             if c.impl == r.chosen or r.chosen is None:
@@ -357,7 +365,7 @@ def summary_line(table: OpTable) -> str:
             f"{', '.join(ops)} past {impl} ({reason})" for (impl, reason), ops in fell_back.items())
     else:
         line += "; none fell back"
-    missing = [r for r in table.resolutions.values() if r.chosen is None]
+    missing = [r for r in table.resolutions.values() if r.chosen is None and not r.not_needed]
     if missing:  # optional ops nothing serves here, each with why (the first reason of each)
         line += "; unavailable: " + "; ".join(
             f"{r.op} ({r.candidates[0].impl}: {r.candidates[0].reason})" if r.candidates else f"{r.op} (no candidate)"

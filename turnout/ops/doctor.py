@@ -83,11 +83,21 @@ def _write_check(out, platform, policy, rows, summary, as_json) -> None:
                 out.write(f"  {s['op']:<{w}} {s['impl']:<18} {'SKIP (' + str(len(dtypes)) + ')':<14} "
                           f"{len(dtypes)} {'/'.join(sorted(set(dtypes)))} case(s): {why}\n")
     for row in rows:  # say what could not be tested here, and why
+        if row.get("not_needed"):
+            out.write(f"  {row['op']:<{w}} {'-':<18} {'NOT NEEDED':<14} not needed on this platform "
+                      f"({row['not_needed']})\n")
+            continue
         for c in row["candidates"]:
             if c["impl"] != "reference.torch" and (row["op"], c["impl"]) not in tested:
                 out.write(f"  {row['op']:<{w}} {c['impl']:<18} {'SKIP':<14} {c['reason']}\n")
     if not summary:
         out.write("  no non-reference implementation is available here\n")
+    passed = sum(1 for s in summary if s["cases"] and s["passed"])
+    failed = sum(1 for s in summary if not s["passed"])
+    skipped = sum(1 for s in summary if not s["cases"] and s["passed"]) + sum(
+        1 for row in rows if not row.get("not_needed") for c in row["candidates"]
+        if c["impl"] != "reference.torch" and (row["op"], c["impl"]) not in tested)
+    out.write(f"{passed} implementation{'s' * (passed != 1)} pass, {failed} fail, {skipped} skipped\n")
 
 
 _ROOT = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) that holds turnout/
@@ -222,7 +232,8 @@ def main(as_json: bool = False, check: bool = False, device: str = "auto", ops: 
     out.write(f"policy: {policy.describe()}  [{policy.source}]\n\n")
     out.write("ops (* chosen, + available, - unavailable):\n")
     for row in rows:
-        out.write(f"{row['op']}  ->  {row['chosen'] or 'NONE'}\n")
+        chosen = row["chosen"] or ("not needed on this platform" if row.get("not_needed") else "NONE")
+        out.write(f"{row['op']}  ->  {chosen}\n")
         for c in row["candidates"]:
             mark = "*" if c["impl"] == row["chosen"] else ("+" if c["available"] else "-")
             src = f" [{c['source']}]" if c["source"] != "builtin" else ""

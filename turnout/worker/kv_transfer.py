@@ -62,6 +62,8 @@ def choose_strategy(ops, failed: dict[str, str] | None = None) -> tuple[tuple[st
         if ops.available(op) and op not in failed:
             return (name, op), skipped
         res = ops.resolutions.get(op)
+        if res is not None and res.not_needed and op not in failed:
+            continue  # nothing to skip: this platform has no use for it (e.g. no device streams to overlap on)
         why = failed.get(op) or ("not in the op table" if res is None else (res.error or "no implementation"))
         skipped.append((op, why))
     return None, skipped

@@ -24,8 +24,11 @@ from turnout.entrypoints.openai.serving import (
     _holdback,
     _new_id,
     _now,
+    _ranked,
+    _sampled_logprob,
     _sampling_params,
     _structured_outputs,
+    _token_text,
     _usage,
     completion_logprobs,
     parse,
@@ -79,20 +82,24 @@ async def create_completion(state, request: Request):
         raise bad_request("suffix is not supported", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("best_of different from n is not supported", param="best_of", code="unsupported")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo",
-                          code="unsupported")
-    if req.echo and req.prompt_logprobs is not None:
-        raise bad_request("echo together with prompt_logprobs is not supported", param="echo", code="unsupported")
     state.require_ready()
     if req.echo and state.tokenizer is None:
         raise bad_request("echo: this model has no tokenizer to write the prompt's text", param="echo",
                           code="unsupported")
-    params = _sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, rename={},
+    # vLLM's echo without generation (max_tokens 0, what log-likelihood scorers such as lm-eval may send): the
+    # engine samples one token, which the answer leaves out
+    echo_only = bool(req.echo) and req.max_tokens == 0
+    params = _sampling_params(req, max_tokens=1 if echo_only else req.max_tokens, logprobs=req.logprobs, rename={},
                               structured_outputs=await _structured_outputs(state, req))
-    if req.prompt_logprobs is not None:
+    # echo with logprobs: the prompt tokens' logprobs come first in the choice's logprobs, so the engine computes
+    # them (top-k of the same k) whether or not prompt_logprobs was asked for too
+    # (req.logprobs was checked by SamplingParams above)
+    prompt_k = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_k = req.logprobs if not isinstance(prompt_k, int) else max(prompt_k, req.logprobs)
+    if prompt_k is not None:
         try:  # SamplingParams checks it (an integer in [0, MAX_LOGPROBS]) and names it
-            params = dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs)
+            params = dataclasses.replace(params, prompt_logprobs=prompt_k)
         except ValueError as e:
             raise from_value_error(e) from None
     prompts = await _prompts(state, req)
@@ -107,27 +114,30 @@ async def create_completion(state, request: Request):
     streams = await _admit(state, [(f"{base}-{i}", p.ids, sp) for i, (p, sp) in enumerate(zip(prompts, per_prompt))])
     ex = _Exchange(state, request, streams)
     if req.stream:
-        return StreamingResponse(_stream(state, req, ex, prompts, params, base, model_name),
+        return StreamingResponse(_stream(state, req, ex, prompts, params, base, model_name, echo_only),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": base})
     finals = await ex.final_outputs()
     n, k = params.n, req.logprobs
     choices, completion_tokens = [], 0
     for i, out in enumerate(finals):
         for o in out.outputs:
-            completion_tokens += len(o.token_ids)
+            ids = [] if echo_only else o.token_ids
+            completion_tokens += len(ids)
             lp = None
             if k is not None:
-                lp, _ = completion_logprobs(state, o.token_ids, o.logprobs, 0, k, 0)
-            text = (prompts[i].text + o.text) if req.echo else o.text
+                lp, offset = echo_logprobs(state, out, k) if req.echo else (None, 0)
+                lp = _joined(lp, completion_logprobs(state, ids, o.logprobs, 0, k, offset)[0])
+            text = prompts[i].text + ("" if echo_only else o.text) if req.echo else o.text
             choices.append(P.CompletionChoice(index=i * n + o.index, text=text, logprobs=lp,
-                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-                                              **_token_fields(req, out, o.token_ids, first=True)))
+                                              finish_reason="length" if echo_only else o.finish_reason,
+                                              stop_reason=None if echo_only else o.stop_reason,
+                                              **_token_fields(req, out, ids, first=True)))
     resp = P.CompletionResponse(id=base, model=model_name, choices=choices,
                                 usage=_usage(sum(len(p.ids) for p in prompts), completion_tokens))
     return JSONResponse(resp.model_dump(), headers={"X-Request-Id": base})
 
 
-async def _stream(state, req, ex: _Exchange, prompts, params, base, model_name):
+async def _stream(state, req, ex: _Exchange, prompts, params, base, model_name, echo_only: bool):
     n, k = params.n, req.logprobs
     created = _now()
     deltas = {}
@@ -146,12 +156,22 @@ async def _stream(state, req, ex: _Exchange, prompts, params, base, model_name):
                     offsets[ci] = 0
                 if d.done:
                     continue
-                text, ids, first = d.step(o)
-                completion_tokens[ci] = len(o.token_ids)
-                lp = None
-                if k is not None and ids:
-                    lp, offsets[ci] = completion_logprobs(state, ids, o.logprobs, first, k, offsets[ci])
                 first_chunk = ci not in started
+                if req.echo and k is not None and first_chunk and not o.token_ids and o.finish_reason is None:
+                    continue  # the prompt's logprobs are whole once its first token is sampled
+                lp = None
+                if echo_only:  # one chunk: the prompt, its logprobs, "length"
+                    d.done, text, ids = True, prompts[i].text, []
+                    lp = echo_logprobs(state, out, k)[0] if k is not None else None
+                    o = dataclasses.replace(o, finish_reason="length", stop_reason=None)
+                else:
+                    text, ids, first = d.step(o)
+                    completion_tokens[ci] = len(o.token_ids)
+                    if k is not None and req.echo and first_chunk:  # the prompt's logprobs lead the first chunk
+                        lp, offsets[ci] = echo_logprobs(state, out, k)
+                    if k is not None and ids:
+                        more, offsets[ci] = completion_logprobs(state, ids, o.logprobs, first, k, offsets[ci])
+                        lp = _joined(lp, more)
                 if not text and lp is None and not d.done and not (req.return_token_ids and ids):
                     continue
                 started.add(ci)
@@ -174,6 +194,30 @@ async def _stream(state, req, ex: _Exchange, prompts, params, base, model_name):
         yield "data: [DONE]\n\n"
     finally:
         ex.close()
+
+
+def echo_logprobs(state, out, k: int) -> tuple[P.CompletionLogProbs, int]:
+    """The prompt's part of an echoed choice's logprobs, as vLLM writes it: every prompt token with its
+    logprob (None at position 0, which nothing predicts) and its top-k; and the text offset after it."""
+    lp, offset = P.CompletionLogProbs(), 0
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for tid, entry in zip(out.prompt_token_ids, entries):
+        tok = _token_text(state, tid, entry)
+        lp.tokens.append(tok)
+        lp.token_logprobs.append(_sampled_logprob(entry, tid))
+        lp.top_logprobs.append({_token_text(state, i, entry): max(v, -9999.0) for i, v in _ranked(entry, k)}
+                               if entry is not None and k else None)
+        lp.text_offset.append(offset)
+        offset += len(tok)
+    return lp, offset
+
+
+def _joined(head: P.CompletionLogProbs | None, tail: P.CompletionLogProbs) -> P.CompletionLogProbs:
+    if head is None:
+        return tail
+    return P.CompletionLogProbs(text_offset=head.text_offset + tail.text_offset,
+                                token_logprobs=head.token_logprobs + tail.token_logprobs,
+                                tokens=head.tokens + tail.tokens, top_logprobs=head.top_logprobs + tail.top_logprobs)
 
 
 def _token_fields(req: P.CompletionRequest, out, ids: list[int], first: bool) -> dict:

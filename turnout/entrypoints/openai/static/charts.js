@@ -9,6 +9,7 @@ class LineChart {
     this.window = points;  // samples kept (the x axis)
     this.unit = unit;
     this.minMax = minMax;  // the y axis reaches at least this, so an idle server draws a flat line at 0
+    this.draw();  // the axes and the empty-state note at once, not an empty box until the first sample
   }
 
   push(values) {  // one value (or null) per series, in the order given to the constructor
@@ -38,6 +39,11 @@ class LineChart {
       const y = pad.t + ph - (ph * k) / 4;
       ctx.beginPath(); ctx.moveTo(pad.l, y + 0.5); ctx.lineTo(pad.l + pw, y + 0.5); ctx.stroke();
       ctx.fillText(fmt((top * k) / 4), 4, y + 4);
+    }
+    if (seen.length === 0) {  // nothing measured yet (no request has finished: no TTFT, for one)
+      ctx.textAlign = "center";
+      ctx.fillText("no data yet: waiting for traffic", pad.l + pw / 2, pad.t + ph / 2);
+      ctx.textAlign = "start";
     }
     const x = (i) => pad.l + (pw * i) / Math.max(1, this.window - 1);
     const y = (v) => pad.t + ph - (ph * v) / top;
