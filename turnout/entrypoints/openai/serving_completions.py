@@ -12,9 +12,9 @@ from turnout.entrypoints.openai import protocol as P
 from turnout.entrypoints.openai.errors import bad_request, from_value_error
 from turnout.entrypoints.openai.serving import (MAX_CHOICES_PER_REQUEST, MAX_PROMPTS_PER_REQUEST, SSE_HEADERS,
                                                 Prompt, _admit, _common_checks, _Delta, _engine_error,
-                                                _structured_outputs,
                                                 _Exchange, _fit_context, _holdback, _new_id, _now,
                                                 _sampling_params, _usage, completion_logprobs, parse, sse)
+from turnout.entrypoints.openai.serving_grammar import _structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ async def create_completion(state, request: Request):
         raise bad_request("echo: this model has no tokenizer to write the prompt's text", param="echo",
                           code="unsupported")
     params = _sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, rename={},
-                              structured_outputs=await _structured_outputs(state, req))
+                              structured_outputs=await _structured_outputs(state, request, req))
     if req.prompt_logprobs is not None:
         try:  # SamplingParams checks it (an integer in [0, MAX_LOGPROBS]) and names it
             params = dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs)

@@ -23,6 +23,7 @@ MAX_TOKENIZE_TOKENS = 1 << 20  # /detokenize input; the body limit (--max-reques
 async def tokenize(state, request: Request):
     from turnout.entrypoints.openai.chat_tools import checked_tools
     from turnout.entrypoints.openai.serving_chat import _messages, _template_kwargs
+    from turnout.entrypoints.openai.serving_grammar import off_loop
 
     req = parse(P.TokenizeRequest, await request.body())
     state.check_model(req.model)
@@ -34,8 +35,9 @@ async def tokenize(state, request: Request):
         ids = list(await state._tok(state.tokenizer.encode, req.prompt, add_special_tokens=add))
     else:
         messages = _messages(req.messages)
+        tools = await off_loop(state, request, lambda: checked_tools(req.tools), lambda: "tools") if req.tools else None
         ids = await state.chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
-                                        **_template_kwargs(req, checked_tools(req.tools)))
+                                        **_template_kwargs(req, tools))
     strs = [state.decode_token(t) for t in ids] if req.return_token_strs else None
     return JSONResponse(P.TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
                                            token_strs=strs).model_dump(exclude_none=True))
