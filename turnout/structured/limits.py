@@ -30,7 +30,8 @@ class SpecLimits:
     max_schema_nodes: int = 20000  # JSON values in a schema (objects, arrays, scalars)
     max_enum_values: int = 4096  # enum / const / choice values, over the whole spec
     max_enum_bytes: int = 128 << 10  # their total text
-    max_repeat: int = 1000  # a regex bound {n,m}, multiplied through nested groups
+    max_repeat: int = 256  # a regex bound {n,m}, multiplied through nested groups
+    max_total_repeat: int = 1024  # those of one regex / grammar added up
 
 
 DEFAULT_LIMITS = SpecLimits()
@@ -65,17 +66,6 @@ def loads_json(text: str, max_depth: int = MAX_JSON_DEPTH):
         return json.loads(text)
     except RecursionError:  # pragma: no cover - the depth bound is below the recursion limit
         raise SpecTooLarge(f"JSON nested too deeply (limit {max_depth})") from None
-
-
-def check_json_value(value, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """An already-parsed JSON value (a dict from the body) within the depth bound; iterative."""
-    stack = [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            if d > max_depth:
-                raise SpecTooLarge(f"JSON nested more than {max_depth} levels deep")
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
 
 
 def check_schema(schema, limits: SpecLimits = DEFAULT_LIMITS) -> None:
@@ -130,17 +120,20 @@ def check_text(text: str, limits: SpecLimits = DEFAULT_LIMITS, what: str = "the 
 _QUANT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
-def regex_repeat(pattern: str) -> int:
-    """The largest repetition count of a regex, multiplied through nested groups: ``b{1,10000}`` -> 10000,
-    ``(a{1,10}){1,10}`` -> 100 (what the grammar expands; ``*`` and ``+`` are loops and count 1)."""
-    frames = [1]  # the largest count inside each open group
+def regex_repeat(pattern: str) -> tuple[int, int]:
+    """(the largest repetition count of a regex, all of them added up), each multiplied through its
+    enclosing groups: ``b{1,10000}`` -> (10000, 10000), ``(a{1,10}){1,10}x{5}`` -> (100, 105). That is
+    what the grammar unrolls; ``*`` and ``+`` are loops and count nothing. What a repetition costs
+    depends on what it repeats (xgrammar 0.2.9, SmolLM2's vocabulary: ``b{1,1000}`` compiles in 1 ms,
+    ``[a-z]{1,100}`` in 0.9 s, ``.{1,1000}`` in 9 s), so the bounds are kept low."""
+    frames = [[1, 0]]  # per open group: [largest count inside, total inside]
     i, n = 0, len(pattern)
-    last = 1  # the count of the atom just closed (a group's inner count), for a quantifier after it
+    last = (1, 1)  # (largest, total) of the atom just read, for a quantifier after it
     while i < n:
         c = pattern[i]
         if c == "\\":
             i += 2
-            last = 1
+            last = (1, 1)
             continue
         if c == "[":  # a character class: skip to its end ("]" first in the class is literal)
             j = i + 1
@@ -150,45 +143,88 @@ def regex_repeat(pattern: str) -> int:
                 j += 1
             while j < n and pattern[j] != "]":
                 j += 2 if pattern[j] == "\\" else 1
-            i, last = j + 1, 1
+            i, last = j + 1, (1, 1)
             continue
         if c == "(":
-            frames.append(1)
+            frames.append([1, 0])
             i += 1
-            last = 1
             continue
         if c == ")":
-            last = frames.pop() if len(frames) > 1 else 1
-            frames[-1] = max(frames[-1], last)
+            inner = frames.pop() if len(frames) > 1 else [1, 0]
+            last = (inner[0], -max(inner[1], 1))  # negative: a group, its total already counted once
+            frames[-1][0] = max(frames[-1][0], inner[0])
+            frames[-1][1] += inner[1]
             i += 1
             continue
         m = _QUANT.match(pattern, i) if c == "{" else None
         if m:
             bound = max(int(m.group(1)), int(m.group(2)) if m.group(2) else 0, 1)
-            frames[-1] = max(frames[-1], last * bound)
+            frames[-1][0] = max(frames[-1][0], last[0] * bound)
+            frames[-1][1] += last[1] * bound if last[1] > 0 else -last[1] * (bound - 1)
             i = m.end()
-            last = 1
+            last = (1, 1)
             continue
-        last = 1
+        last = (1, 1)
         i += 1
-    return max(frames)
+    while len(frames) > 1:  # unbalanced: xgrammar refuses it; count what is there
+        inner = frames.pop()
+        frames[-1][0] = max(frames[-1][0], inner[0])
+        frames[-1][1] += inner[1]
+    return frames[0][0], frames[0][1]
+
+
+def _check_repeat(text: str, limits: SpecLimits, what: str) -> None:
+    largest, total = regex_repeat(text)
+    if largest > limits.max_repeat:
+        raise SpecTooLarge(f"{what} repetition of up to {largest} (a bound like {{n,m}}, multiplied through nested "
+                           f"groups), over the limit of {limits.max_repeat}")
+    if total > limits.max_total_repeat:
+        raise SpecTooLarge(f"{what} repetitions adding up to {total} (bounds like {{n,m}}), over the limit of "
+                           f"{limits.max_total_repeat}")
 
 
 def check_regex(pattern: str, limits: SpecLimits = DEFAULT_LIMITS) -> None:
     check_text(pattern, limits, "the regex")
-    count = regex_repeat(pattern)
-    if count > limits.max_repeat:
-        raise SpecTooLarge(f"regex repetition of up to {count} (a bound like {{n,m}}, multiplied through nested "
-                           f"groups), over the limit of {limits.max_repeat}")
+    _check_repeat(pattern, limits, "regex")
 
 
-_EBNF_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'', re.S)
+_EBNF_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 
 
 def check_grammar(text: str, limits: SpecLimits = DEFAULT_LIMITS) -> None:
     """An EBNF grammar: its size, and the repetition bounds of its rules and character classes (string
     literals, which may hold braces, are skipped)."""
     check_text(text, limits, "the grammar")
-    count = regex_repeat(_EBNF_STRING.sub('""', text))
-    if count > limits.max_repeat:
-        raise SpecTooLarge(f"grammar repetition of up to {count}, over the limit of {limits.max_repeat}")
+    _check_repeat(_EBNF_STRING.sub('""', text), limits, "grammar")
+
+
+LIGHT_NODES = 256  # JSON values of a spec ...
+LIGHT_REPEAT = 64  # ... and repetition (of every string, read as a regex) that compile in milliseconds
+
+
+def is_light(values) -> bool:
+    """Whether a request's constraint fields (parsed JSON: dicts, lists, strings) are small enough to
+    compile in milliseconds whatever they mean: few JSON values, and every string, read as a regex, with
+    little repetition. A conservative guess, for choosing a worker lane, made on small bodies only (it
+    walks everything)."""
+    nodes = 0
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        nodes += 1
+        if nodes > LIGHT_NODES:
+            return False
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            if v[:1] in ("{", "[") and len(v) > 1:  # JSON in a string (guided_json, a structural tag)
+                try:
+                    stack.append(loads_json(v, 32))
+                    continue
+                except ValueError:
+                    return False
+            if regex_repeat(v)[1] > LIGHT_REPEAT:
+                return False
+    return True

@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnout.structured.limits import (DEFAULT_LIMITS, SpecTooLarge, check_choices, check_grammar, check_json_value,
-                                       check_regex, check_schema, check_text, loads_json)
+from turnout.structured.limits import (DEFAULT_LIMITS, SpecTooLarge, check_choices, check_grammar, check_regex,
+                                       check_schema, check_text, loads_json)
 
 # The constraint fields, in the order an error lists them.
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -105,23 +105,27 @@ class StructuredOutputsParams:
             raise self.error(kind, str(e)) from None
 
     def _parse(self, kind: str, value):
-        """A JSON field given as text -> its value, within the depth and size limits; a dict is checked."""
-        if isinstance(value, str):
-            check_text(value, DEFAULT_LIMITS)
-            try:
-                return loads_json(value)
-            except json.JSONDecodeError as e:
-                raise self.error(kind, f"not valid JSON: {e}") from None
-        check_json_value(value)
-        check_text(json.dumps(value), DEFAULT_LIMITS)
-        return value
+        """A JSON field given as text -> its value, within the depth and size limits."""
+        if not isinstance(value, str):
+            return value
+        check_text(value, DEFAULT_LIMITS)
+        try:
+            return loads_json(value)
+        except json.JSONDecodeError as e:
+            raise self.error(kind, f"not valid JSON: {e}") from None
+
+    @staticmethod
+    def _check_spec(parsed) -> None:
+        check_schema(parsed)  # first: it stops early on a huge or deep value, before anything serialises it
+        if isinstance(parsed, (dict, list)):
+            check_text(json.dumps(parsed), DEFAULT_LIMITS)
 
     def _check_kind(self, kind: str, value) -> None:
         if kind == "json":
             parsed = self._parse("json", value)
             if not isinstance(parsed, (dict, bool)):
                 raise self.error("json", f"a JSON schema must be an object (or a boolean), got {type(parsed).__name__}")
-            check_schema(parsed)
+            self._check_spec(parsed)
         elif kind in ("regex", "grammar"):
             if not isinstance(value, str) or not value:
                 raise self.error(kind, "must be a non-empty string")
@@ -136,7 +140,7 @@ class StructuredOutputsParams:
         elif kind == "structural_tag":
             if not isinstance(value, (str, dict)):
                 raise self.error("structural_tag", f"must be a JSON string, got {type(value).__name__}")
-            check_schema(self._parse("structural_tag", value))  # its schemas, patterns and enums
+            self._check_spec(self._parse("structural_tag", value))  # its schemas, patterns and enums
 
     def cache_key(self) -> tuple:
         """The canonical identity of the constraint: equal keys compile to the same grammar. A JSON schema

@@ -12,8 +12,9 @@ answered at once, a job still queued is dropped before it starts, and a job alre
 in the background, its result cached. What bounds such a job is the pre-check
 (turnout/structured/limits.py), which keeps any accepted spec to well under a second of work. And
 so that compiles left running by large requests can never make a small one wait, requests go to one
-of two lanes by the size of their body: a trivial ``guided_choice`` waits only behind other small
-specs, which finish in milliseconds.
+of two lanes: the light lane takes only specs that compile in milliseconds whatever they say (a small
+body, few JSON values, little regex repetition: ``limits.is_light``), so a trivial ``guided_choice``
+waits only behind other such specs; everything else shares the heavy lane.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-LIGHT_BODY_BYTES = 8 << 10  # a request body up to this size goes to the light lane
+LIGHT_BODY_BYTES = 8 << 10  # a request body larger than this never goes to the light lane
 
 
 class GrammarTimeout(TimeoutError):
@@ -37,11 +38,11 @@ class GrammarWorkers:
         self._light = ThreadPoolExecutor(light_threads, thread_name_prefix="grammar-light")
         self._heavy = ThreadPoolExecutor(heavy_threads, thread_name_prefix="grammar-heavy")
 
-    async def run(self, fn, *, body_bytes: int, timeout: float, gone: asyncio.Future | None = None):
-        """``fn()`` on a worker thread of the lane for ``body_bytes``; GrammarTimeout after ``timeout``
+    async def run(self, fn, *, light: bool, timeout: float, gone: asyncio.Future | None = None):
+        """``fn()`` on a worker thread of the light or heavy lane; GrammarTimeout after ``timeout``
         seconds, Disconnected when ``gone`` (a future that completes when the client leaves) completes
         first. Either way a job that has not started is cancelled."""
-        pool = self._light if body_bytes <= LIGHT_BODY_BYTES else self._heavy
+        pool = self._light if light else self._heavy
         job = asyncio.get_running_loop().run_in_executor(pool, fn)
         waiting = {job} if gone is None else {job, gone}
         done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)

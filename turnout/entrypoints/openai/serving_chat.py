@@ -65,7 +65,7 @@ async def create_chat_completion(state, request: Request):
     model_name = state.check_model(req.model)
     _checks(state, req)
     messages = _messages(req.messages)
-    plan = (await off_loop(state, request, lambda: plan_tools(req, state.options), lambda: "tools")
+    plan = (await off_loop(state, request, req, lambda: plan_tools(req, state.options), lambda: "tools")
             if req.tools or req.tool_choice is not None else plan_tools(req, state.options))
     state.require_ready()
     max_tokens, mt_name = req.max_tokens, "max_tokens"

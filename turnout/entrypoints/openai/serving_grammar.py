@@ -18,6 +18,7 @@ from turnout.entrypoints.openai.serving import _watch_disconnect
 # The request fields that ask for structured output (turnout/structured/request.py reads them).
 _CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar", "guided_whitespace_pattern", "structural_tag")
+_LANE_FIELDS = (*_CONSTRAINT_FIELDS, "tools", "tool_choice")  # what the grammar work reads
 DEFAULT_GRAMMAR_TIMEOUT = 10.0  # seconds to build and compile a request's grammars (--grammar-timeout)
 _workers = None
 
@@ -45,17 +46,19 @@ def constraint_field(req) -> str:
     return next((f for f in _CONSTRAINT_FIELDS if getattr(req, f, None) is not None), "tools")
 
 
-async def off_loop(state, request: Request, fn, field_of):
-    """``fn()``, which builds or compiles grammars, on a grammar worker thread, never on the event loop; a
+async def off_loop(state, request: Request, req, fn, field_of):
+    """``fn()``, which builds or compiles ``req``'s grammars, on a grammar worker thread, never on the event loop; a
     400 naming ``field_of()`` when it outlasts the server's grammar deadline, a 499 when the client leaves
     first (a job not yet started is then dropped)."""
-    from turnout.structured.workers import Disconnected, GrammarTimeout
+    from turnout.structured.limits import is_light
+    from turnout.structured.workers import LIGHT_BODY_BYTES, Disconnected, GrammarTimeout
 
     timeout = getattr(state.options, "grammar_timeout", DEFAULT_GRAMMAR_TIMEOUT)
     body = await request.body()
+    light = len(body) <= LIGHT_BODY_BYTES and is_light([getattr(req, f, None) for f in _LANE_FIELDS])
     gone = asyncio.ensure_future(_watch_disconnect(request, lambda: None))
     try:
-        return await grammar_workers().run(fn, body_bytes=len(body), timeout=timeout, gone=gone)
+        return await grammar_workers().run(fn, light=light, timeout=timeout, gone=gone)
     except GrammarTimeout:
         field = field_of()
         raise bad_request(f"{field}: its grammar took longer than {timeout:g} s to build and compile (the "
@@ -92,7 +95,7 @@ async def _structured_outputs(state, request: Request, req, tools_constraint=Non
         return so
 
     try:
-        return await off_loop(state, request, work, lambda: where[-1] if where else constraint_field(req))
+        return await off_loop(state, request, req, work, lambda: where[-1] if where else constraint_field(req))
     except StructuredOutputsError as e:
         raise bad_request(str(e), param=e.field) from None
     except ValueError as e:  # the model has no tokenizer
