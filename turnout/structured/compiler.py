@@ -34,7 +34,7 @@ class CacheInfo:
     bytes: int = 0  # the compiled grammars' own estimate of their memory
 
 
-DEFAULT_CACHE_BYTES = 512 << 20
+DEFAULT_CACHE_BYTES = 512 << 20  # compiled grammars a server keeps for reuse
 
 
 class GrammarCompiler:

@@ -46,12 +46,14 @@ class GrammarWorkers:
         job = asyncio.get_running_loop().run_in_executor(pool, fn)
         waiting = {job} if gone is None else {job, gone}
         done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if gone is not None and gone in done:  # checked first: a client that left is not answered anyway
+            job.cancel()
+            job.add_done_callback(_swallow)
+            raise Disconnected()
         if job in done:
             return job.result()
         job.cancel()  # a queued job never starts; a running one ends on its own (its result is cached)
         job.add_done_callback(_swallow)
-        if gone is not None and gone in done:
-            raise Disconnected()
         raise GrammarTimeout(f"did not finish within {timeout:g} s")
 
     def shutdown(self) -> None:
