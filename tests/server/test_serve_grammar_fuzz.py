@@ -65,8 +65,9 @@ TOOL_CHOICE = st.sampled_from(["none", "required", "auto", {"type": "function", 
 FIELDS = st.one_of(
     st.builds(lambda s: {"guided_json": s}, st.one_of(SCHEMA, JSON_TEXT)),
     st.builds(lambda s: {"guided_regex": s}, REGEX),
-    st.builds(lambda c: {"guided_choice": c}, st.one_of(st.lists(st.text(max_size=6), min_size=1, max_size=4),
-                                                          st.integers(1, 6000).map(lambda n: [str(i) for i in range(n)]))),
+    st.builds(lambda c: {"guided_choice": c},
+              st.one_of(st.lists(st.text(max_size=6), min_size=1, max_size=4),
+                        st.integers(1, 6000).map(lambda n: [str(i) for i in range(n)]))),
     st.builds(lambda g: {"guided_grammar": g}, GRAMMAR),
     st.builds(lambda t: {"structural_tag": t}, JSON_TEXT),
     st.builds(lambda k, v: {"structured_outputs": {k: v}}, st.sampled_from(["json", "regex", "grammar"]),
@@ -76,8 +77,10 @@ FIELDS = st.one_of(
 )
 CHAT_ONLY = st.one_of(
     st.builds(lambda t, c: {"tools": t, "tool_choice": c}, TOOLS, TOOL_CHOICE),
-    st.builds(lambda a: {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": a}}]}]}, JSON_TEXT),
+    st.builds(lambda a: {"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": a}}]}]}, JSON_TEXT),
 )
 REQUEST = st.one_of(
     st.tuples(st.just("/v1/completions"), FIELDS),

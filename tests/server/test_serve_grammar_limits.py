@@ -156,6 +156,15 @@ def test_bad_input_is_a_400_naming_the_field(server, model_name, endpoint, field
     assert err["param"] == param and err["message"].startswith(param), err
 
 
+def test_a_grammar_dead_end_ends_the_answer(server, model_name):
+    """``b ::= b`` after "a": the text can go nowhere, so the answer ends there ("stop"), not a 500."""
+    r = _post(server.base_url, "/v1/completions",
+              _complete(model_name, guided_grammar='root ::= "a" b\nb ::= b', max_tokens=5))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("a", "stop")
+
+
 @pytest.fixture(scope="module")
 def short_deadline():
     """A server whose grammar deadline is one second, and a regex that takes longer than that to compile

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from turnout.structured import StructuredOutputsError, StructuredOutputsParams
 from turnout.structured.compiler import GrammarCompiler
@@ -185,3 +186,30 @@ def test_deep_tool_call_arguments_in_messages_are_a_400():
     ok = {**call, "function": {"name": "f", "arguments": json.dumps({"a": [1]})}}
     assert template_messages([{"role": "assistant", "tool_calls": [ok]}])[0]["tool_calls"][0]["function"] == {
         "name": "f", "arguments": {"a": [1]}}
+
+
+def test_a_dead_end_ends_the_sequence(tok, compiler):
+    """``root ::= "a" b; b ::= b`` allows "a" and then nothing: the state allows only the stop tokens there
+    (not a row of -inf), accepting one ends it, and rollback undoes it; row by row and batched."""
+    from turnout.structured.matcher import allocate_bitmask, batch_filler, fill_batch_bitmask
+
+    compiled = compiler.compile(StructuredOutputsParams(grammar='root ::= "a" b\nb ::= b'))
+    (a,) = tok.encode("a", add_special_tokens=False)
+    stop = compiler.stop_token_ids[0]
+    for threads in (None, batch_filler(1)):
+        states = [compiler.new_state(compiled) for _ in range(2)]
+        for s in states:
+            assert s.accept_token(a)
+        bits = allocate_bitmask(2, compiler.vocab_size)
+        assert fill_batch_bitmask(states, bits, threads=threads, parallel_from=1) == [0, 1]
+        allowed = {int(t) for t in torch.nonzero(_unpack(bits[0], compiler.vocab_size)).flatten()}
+        assert allowed == set(compiler.stop_token_ids)
+        assert not states[0].accept_token(a)
+        assert states[0].accept_token(stop) and states[0].is_terminated()
+        states[0].rollback(2)
+        assert not states[0].is_terminated() and states[0].num_accepted == 0 and states[0].accept_token(a)
+
+
+def _unpack(row, vocab_size):
+    ids = torch.arange(vocab_size)
+    return (row[ids // 32] >> (ids % 32)) & 1

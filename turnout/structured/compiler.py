@@ -19,9 +19,9 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from turnout.structured.grammar import build_grammar, clean_error
 import torch
 
+from turnout.structured.grammar import clean_error
 from turnout.structured.matcher import GrammarState, bitmask_words
 from turnout.structured.params import StructuredOutputsParams
 
@@ -125,7 +125,7 @@ class GrammarCompiler:
         return compiled
 
     def _compile_uncached(self, params: StructuredOutputsParams):
-        grammar = params.grammar_object() if hasattr(params, "grammar_object") else build_grammar(params)
+        grammar = params.grammar_object()
         try:
             compiled = self._xgr.compile_grammar(grammar)
         except (RuntimeError, ValueError) as e:
@@ -140,7 +140,7 @@ class GrammarCompiler:
         state = GrammarState(compiled, self.vocab_size)
         row = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
         state.fill_bitmask(row, 0)
-        if not bool(row.any()) and not state.is_completed():
+        if state.at_dead_end:
             raise params.error(params.kind, "the grammar allows no output at all (a rule that can only refer "
                                             "back to itself, such as root ::= root, never produces text)")
 

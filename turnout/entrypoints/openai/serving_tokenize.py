@@ -35,7 +35,9 @@ async def tokenize(state, request: Request):
         ids = list(await state._tok(state.tokenizer.encode, req.prompt, add_special_tokens=add))
     else:
         messages = _messages(req.messages)
-        tools = await off_loop(state, request, req, lambda: checked_tools(req.tools), lambda: "tools") if req.tools else None
+        tools = None
+        if req.tools:  # each tool's schema is built to check it: off the event loop
+            tools = await off_loop(state, request, req, lambda: checked_tools(req.tools), lambda: "tools")
         ids = await state.chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
                                         **_template_kwargs(req, tools))
     strs = [state.decode_token(t) for t in ids] if req.return_token_strs else None
