@@ -213,3 +213,12 @@ def test_a_dead_end_ends_the_sequence(tok, compiler):
 def _unpack(row, vocab_size):
     ids = torch.arange(vocab_size)
     return (row[ids // 32] >> (ids % 32)) & 1
+
+
+def test_regexes_and_grammars_inside_schemas_and_tags_are_checked():
+    with pytest.raises(StructuredOutputsError, match="repetition"):
+        StructuredOutputsParams(json={"type": "object", "patternProperties": {"^a{1,9999}$": {"type": "integer"}}})
+    tag = {"type": "structural_tag", "format": {"type": "grammar", "grammar": 'root ::= "x"{1,9999}'}}
+    with pytest.raises(StructuredOutputsError, match="repetition") as e:
+        StructuredOutputsParams(structural_tag=json.dumps(tag))
+    assert e.value.field == "structural_tag"

@@ -70,7 +70,8 @@ def loads_json(text: str, max_depth: int = MAX_JSON_DEPTH):
 
 def check_schema(schema, limits: SpecLimits = DEFAULT_LIMITS) -> None:
     """A JSON schema (parsed) within the limits: depth, size, enum values, regex bounds, and references
-    local to the document (a remote ``$ref`` would be treated as "any value" by the compiler)."""
+    local to the document (a remote ``$ref`` would be treated as "any value" by the compiler). Also a
+    structural tag: its schemas, regexes and grammars are found the same way."""
     nodes = enum_values = enum_bytes = 0
     stack = [(schema, 1)]
     while stack:
@@ -88,6 +89,11 @@ def check_schema(schema, limits: SpecLimits = DEFAULT_LIMITS) -> None:
             pattern = v.get("pattern")
             if isinstance(pattern, str):
                 check_regex(pattern, limits)
+            if isinstance(v.get("patternProperties"), dict):
+                for key in v["patternProperties"]:
+                    check_regex(key, limits)
+            if v.get("type") == "grammar" and isinstance(v.get("grammar"), str):  # a structural tag's EBNF
+                check_grammar(v["grammar"], limits)
             for key in ("enum", "const"):
                 if key in v:
                     vals = v[key] if key == "enum" and isinstance(v[key], list) else [v[key]]
