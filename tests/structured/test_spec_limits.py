@@ -115,9 +115,12 @@ def test_a_compiled_grammar_rides_on_its_params(tok):
 
 
 def test_workers_deadline_and_lanes():
-    """A deadline answers at once while the job runs on; a queued job is dropped before it starts; a full
-    heavy lane does not delay the light lane."""
-    workers = GrammarWorkers(light_threads=1, heavy_threads=1)
+    """A deadline answers at once while the job runs on; an abandoned job gives its slot back (up to
+    max_abandoned a lane, then it keeps it); a job waiting for a slot past its deadline never starts; a
+    full heavy lane does not delay the light lane; a client that leaves stops the wait."""
+    from turnout.structured.workers import Disconnected
+
+    workers = GrammarWorkers(light_threads=1, heavy_threads=1, max_abandoned=1)
     release = threading.Event()
     started = []
 
@@ -133,23 +136,25 @@ def test_workers_deadline_and_lanes():
         with pytest.raises(GrammarTimeout):
             await workers.run(slow("a"), light=False, timeout=0.2)
         assert time.monotonic() - t < 1.0
-        with pytest.raises(GrammarTimeout):  # queued behind "a": never starts
+        with pytest.raises(GrammarTimeout):  # "a" gave its slot back: "b" runs, and keeps its slot
             await workers.run(slow("b"), light=False, timeout=0.2)
+        with pytest.raises(GrammarTimeout):  # no slot: never starts
+            await workers.run(slow("c"), light=False, timeout=0.2)
         t = time.monotonic()
         assert await workers.run(lambda: "choice", light=True, timeout=5) == "choice"
         assert time.monotonic() - t < 0.5
         gone = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.1, gone.set_result, None)
-        from turnout.structured.workers import Disconnected
-
         with pytest.raises(Disconnected):
-            await workers.run(slow("c"), light=True, timeout=5, gone=gone)
+            await workers.run(slow("d"), light=True, timeout=5, gone=gone)
         release.set()
+        await asyncio.sleep(0.2)
+        assert await workers.run(lambda: "after", light=False, timeout=5) == "after"  # every slot is back
+        with pytest.raises(ZeroDivisionError):
+            await workers.run(lambda: 1 / 0, light=True, timeout=5)
 
     asyncio.run(main())
-    time.sleep(0.2)
-    assert started == ["a", "c"]
-    workers.shutdown()
+    assert started == ["a", "b", "d"]
 
 
 def test_is_light():
