@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from turnout.structured.matcher import GrammarState, bitmask_words
+from turnout.structured.matcher import GrammarState, bitmask_words, refill_dead_ends
 
 
 class BitmaskStage:
@@ -56,6 +56,7 @@ class BitmaskStage:
             try:
                 self._threads.batch_fill_next_token_bitmask([s._matcher for _, s in live], host,
                                                             indices=[lane for lane, _ in live])
+                refill_dead_ends(live, host)
                 rest = [(lane, s) for lane, s in grammars if _terminated(s)]
                 lanes = [lane for lane, _ in live]
             except Exception:  # noqa: BLE001 - whose? fill row by row to find out

@@ -3,9 +3,12 @@
 Exactly one kind is set: ``json`` (a JSON schema, dict or string), ``json_object`` (any JSON object),
 ``regex``, ``choice`` (the output is exactly one of the strings), ``grammar`` (EBNF, xgrammar's dialect,
 GBNF-like) or ``structural_tag`` (xgrammar's structural tag, JSON). Construction checks the shape and
-builds the grammar, tokenizer-free (milliseconds), so an invalid schema, regex or grammar is a
-``StructuredOutputsError`` (a ValueError) naming the field, at the request's door rather than in the
-engine. Compiling it against a vocabulary is turnout/structured/compiler.py's job.
+the size limits (turnout/structured/limits.py: depth, size, enum values, regex repetition, local
+``$ref`` only) and builds the grammar, tokenizer-free, so an invalid or oversized schema, regex or
+grammar is a ``StructuredOutputsError`` (a ValueError) naming the field, at the request's door rather
+than in the engine. Compiling it against a vocabulary is turnout/structured/compiler.py's job. Building
+can take up to a fraction of a second within the limits: the server constructs params off its event
+loop (turnout/structured/workers.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from turnout.structured.limits import (
+    DEFAULT_LIMITS,
+    SpecTooLarge,
+    check_choices,
+    check_grammar,
+    check_regex,
+    check_schema,
+    check_text,
+    loads_json,
+)
 
 # The constraint fields, in the order an error lists them.
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -62,7 +76,20 @@ class StructuredOutputsParams:
         self._check_value()
         from turnout.structured.grammar import build_grammar
 
-        build_grammar(self)  # raises StructuredOutputsError naming the field
+        self._grammar = build_grammar(self)  # raises StructuredOutputsError naming the field
+
+    def grammar_object(self):
+        """The xgrammar Grammar built at construction (what the compiler compiles)."""
+        return self._grammar
+
+    def __getstate__(self):  # copies and pickles carry the spec, not the xgrammar objects built from it
+        return {k: v for k, v in self.__dict__.items() if k not in ("_grammar", "_compiled")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        from turnout.structured.grammar import build_grammar
+
+        self._grammar = build_grammar(self)
 
     def _is_set(self, kind: str) -> bool:
         value = getattr(self, kind)
@@ -80,35 +107,48 @@ class StructuredOutputsParams:
 
     def _check_value(self) -> None:
         kind = self.kind
-        value = getattr(self, kind)
+        try:
+            self._check_kind(kind, getattr(self, kind))
+        except SpecTooLarge as e:
+            raise self.error(kind, str(e)) from None
+
+    def _parse(self, kind: str, value):
+        """A JSON field given as text -> its value, within the depth and size limits."""
+        if not isinstance(value, str):
+            return value
+        check_text(value, DEFAULT_LIMITS)
+        try:
+            return loads_json(value)
+        except json.JSONDecodeError as e:
+            raise self.error(kind, f"not valid JSON: {e}") from None
+
+    @staticmethod
+    def _check_spec(parsed) -> None:
+        check_schema(parsed)  # first: it stops early on a huge or deep value, before anything serialises it
+        if isinstance(parsed, (dict, list)):
+            check_text(json.dumps(parsed), DEFAULT_LIMITS)
+
+    def _check_kind(self, kind: str, value) -> None:
         if kind == "json":
-            if isinstance(value, str):
-                try:
-                    parsed = json.loads(value)
-                except json.JSONDecodeError as e:
-                    raise self.error("json", f"not valid JSON: {e}") from None
-            else:
-                parsed = value
+            parsed = self._parse("json", value)
             if not isinstance(parsed, (dict, bool)):
                 raise self.error("json", f"a JSON schema must be an object (or a boolean), got {type(parsed).__name__}")
+            self._check_spec(parsed)
         elif kind in ("regex", "grammar"):
             if not isinstance(value, str) or not value:
                 raise self.error(kind, "must be a non-empty string")
+            (check_regex if kind == "regex" else check_grammar)(value)
         elif kind == "choice":
             if not isinstance(value, (list, tuple)) or not value:
                 raise self.error("choice", "must be a non-empty list of strings")
             bad = [c for c in value if not isinstance(c, str)]
             if bad:
                 raise self.error("choice", f"every choice must be a string, got {bad[0]!r}")
+            check_choices(value)
         elif kind == "structural_tag":
-            if isinstance(value, dict):
-                return
-            if not isinstance(value, str):
+            if not isinstance(value, (str, dict)):
                 raise self.error("structural_tag", f"must be a JSON string, got {type(value).__name__}")
-            try:
-                json.loads(value)
-            except json.JSONDecodeError as e:
-                raise self.error("structural_tag", f"not valid JSON: {e}") from None
+            self._check_spec(self._parse("structural_tag", value))  # its schemas, patterns and enums
 
     def cache_key(self) -> tuple:
         """The canonical identity of the constraint: equal keys compile to the same grammar. A JSON schema

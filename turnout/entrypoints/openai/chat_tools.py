@@ -18,7 +18,6 @@ no reasoning to split off and the reasoning parser is not used.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,7 @@ from turnout.entrypoints.openai.tool_parsers.constrained import (
     constrained_tool_parser,
     structured_outputs_for_tools,
 )
+from turnout.structured.limits import SpecTooLarge, loads_json
 from turnout.structured.params import StructuredOutputsError, StructuredOutputsParams
 
 
@@ -53,7 +53,8 @@ def plan_tools(req, options) -> ToolPlan:
         constraint = structured_outputs_for_tools(tools, choice, parallel_tool_calls=parallel)
     except StructuredOutputsError as e:
         raise bad_request(str(e), param=e.field, code="invalid_value") from None
-    plan = ToolPlan(constraint=constraint, template_tools=checked_tools(tools), parallel=parallel)
+    # structured_outputs_for_tools has checked every tool (each schema's grammar built once)
+    plan = ToolPlan(constraint=constraint, template_tools=list(tools) if tools else None, parallel=parallel)
     if not tools or choice == "none":
         return plan
     if constraint is not None:
@@ -93,10 +94,12 @@ def template_messages(messages: list[dict]) -> list[dict]:
             fixed = []
             for j, call in enumerate(calls):
                 fn = dict(call["function"])
+                where = f"messages.{i}.tool_calls.{j}.function.arguments"
                 try:
-                    fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+                    fn["arguments"] = loads_json(fn["arguments"]) if fn["arguments"].strip() else {}
+                except SpecTooLarge as e:
+                    raise bad_request(f"{where}: {e}", param=where, code="invalid_value") from None
                 except ValueError as e:
-                    where = f"messages.{i}.tool_calls.{j}.function.arguments"
                     raise bad_request(f"{where}: not valid JSON ({e})", param=where, code="invalid_value") from None
                 fixed.append({**call, "function": fn})
             m["tool_calls"] = fixed

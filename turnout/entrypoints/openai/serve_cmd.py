@@ -79,6 +79,9 @@ def add_arguments(p) -> None:
                           "delta.reasoning_content when streaming)")
     api.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                      help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    api.add_argument("--grammar-timeout", type=float, default=10.0,
+                     help="seconds a request's structured output / tool schemas may take to build and compile "
+                          "(off the event loop); longer is a 400 naming the field")
     api.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
                      help="the most logprobs / top_logprobs a request may ask for (more: 400)")
 
@@ -129,7 +132,7 @@ def serve_options(args):
 
     return ServeOptions(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, chat_template=load_chat_template(args.chat_template),
-                        max_logprobs=args.max_logprobs)
+                        max_logprobs=args.max_logprobs, grammar_timeout=args.grammar_timeout)
 
 
 def bind_socket(host: str, port: int):

@@ -23,6 +23,7 @@ class ServeOptions:
     reasoning_parser: str | None = None  # a name of reasoning.REASONING_PARSERS
     chat_template: str | None = None  # Jinja text (the file already read), overriding the tokenizer's
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    grammar_timeout: float = 10.0  # seconds to build and compile a request's grammars (serving_grammar.py)
 
     def __post_init__(self):
         from turnout.engine.sampling_params import MAX_LOGPROBS
@@ -41,6 +42,8 @@ class ServeOptions:
         if not (isinstance(self.max_logprobs, int) and 0 <= self.max_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"--max-logprobs: must be in [0, {MAX_LOGPROBS}] (the engine returns at most "
                              f"{MAX_LOGPROBS} alternatives a token), got {self.max_logprobs}")
+        if not self.grammar_timeout > 0:
+            raise ValueError(f"--grammar-timeout: must be > 0 seconds, got {self.grammar_timeout}")
         if self.chat_template is not None:
             _check_template(self.chat_template)
 

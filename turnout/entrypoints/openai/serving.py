@@ -63,30 +63,6 @@ class Prompt:
     text: str | None = None  # for echo
 
 
-async def _structured_outputs(state, req, tools_constraint=None):
-    """The request's structured-output constraint (response_format, structured_outputs, guided_*, or the
-    one ``tool_choice`` "required" / named makes), compiled off the event loop so admission finds it
-    cached; None when it asks for none. A bad spec is a 400 naming the request field (``param``)."""
-    from turnout.structured import StructuredOutputsError, from_request
-
-    try:
-        so = from_request(req)
-        if so is not None and tools_constraint is not None:
-            raise StructuredOutputsError("tool_choice", "a required or named tool call cannot be combined with "
-                                                        "another structured-output constraint")
-        so = so if so is not None else tools_constraint
-        if so is None:
-            return None
-        ip = getattr(state.engine, "input_processor", None)  # the real engine (a fake one has none)
-        if ip is not None:
-            await ip.grammar_compiler().compile_async(so)
-    except StructuredOutputsError as e:
-        raise bad_request(str(e), param=e.field) from None
-    except ValueError as e:  # the model has no tokenizer
-        raise from_value_error(e) from None
-    return so
-
-
 def _sampling_params(req, *, max_tokens, logprobs, rename, structured_outputs=None) -> SamplingParams:
     def opt(v, default):
         return default if v is None else v

@@ -24,12 +24,12 @@ from turnout.entrypoints.openai.serving import (
     _new_id,
     _now,
     _sampling_params,
-    _structured_outputs,
     _usage,
     chat_logprobs,
     parse,
     sse,
 )
+from turnout.entrypoints.openai.serving_grammar import _structured_outputs, off_loop
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +80,14 @@ async def create_chat_completion(state, request: Request):
     model_name = state.check_model(req.model)
     _checks(state, req)
     messages = _messages(req.messages)
-    plan = plan_tools(req, state.options)
+    plan = (await off_loop(state, request, req, lambda: plan_tools(req, state.options), lambda: "tools")
+            if req.tools or req.tool_choice is not None else plan_tools(req, state.options))
     state.require_ready()
     max_tokens, mt_name = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         max_tokens, mt_name = req.max_completion_tokens, "max_completion_tokens"
     k = (req.top_logprobs or 0) if req.logprobs else None
-    so = await _structured_outputs(state, req, plan.constraint)
+    so = await _structured_outputs(state, request, req, plan.constraint)
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=k,
                               rename={"max_tokens": mt_name, "logprobs": "top_logprobs"}, structured_outputs=so)
     if plan.keep_special_tokens and "skip_special_tokens" not in req.model_fields_set:

@@ -27,13 +27,13 @@ from turnout.entrypoints.openai.serving import (
     _ranked,
     _sampled_logprob,
     _sampling_params,
-    _structured_outputs,
     _token_text,
     _usage,
     completion_logprobs,
     parse,
     sse,
 )
+from turnout.entrypoints.openai.serving_grammar import _structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ async def create_completion(state, request: Request):
     # engine samples one token, which the answer leaves out
     echo_only = bool(req.echo) and req.max_tokens == 0
     params = _sampling_params(req, max_tokens=1 if echo_only else req.max_tokens, logprobs=req.logprobs, rename={},
-                              structured_outputs=await _structured_outputs(state, req))
+                              structured_outputs=await _structured_outputs(state, request, req))
     # echo with logprobs: the prompt tokens' logprobs come first in the choice's logprobs, so the engine computes
     # them (top-k of the same k) whether or not prompt_logprobs was asked for too
     # (req.logprobs was checked by SamplingParams above)

@@ -11,6 +11,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from turnout.structured.limits import loads_json
+
 WS = " \t\n\r"
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _STRUCT = re.compile(r'["{}\[\]]')
@@ -79,7 +81,7 @@ class PartialObject:
             return None
         try:
             value = json.loads(s[span[0]:span[1]])
-        except ValueError:
+        except (ValueError, RecursionError):  # the model's text: nested too deeply is not a value either
             return None
         return value if isinstance(value, str) else None
 
@@ -131,9 +133,11 @@ def parse_object(s: str, i: int) -> PartialObject:
 
 
 def is_json_object(text: str) -> bool:
+    """Whether the model's text is a JSON object; text nested deeper than the server parses (a model can
+    write ``[[[[...`` a thousand deep) is not one, so the call becomes content instead of a crash."""
     try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
+        return isinstance(loads_json(text), dict)
+    except ValueError:  # bad JSON or too deep (SpecTooLarge)
         return False
 
 
