@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTH
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 for m in ${MODELS:-benchmarks/configs/qwen3_30b_a3b.json qwen3-8b}; do
   t=$(basename $m .json)
-  for r in 1 2; do
+  for r in $(seq 1 ${RUNS:-2}); do
     for tree in base new; do
       p=$ROOT; [[ $tree == base ]] && p=$BASE
       if (( SECONDS > ${DEADLINE:-470} )); then echo "skip $t $tree $r: ${SECONDS}s"; continue; fi
