@@ -161,12 +161,12 @@ class Scheduler:
             raise ValueError(f"request {seq.request_id!r}: n = {seq.n} exceeds max_num_seqs ({self.max_num_seqs})")
         max_tokens = seq.max_tokens
         longest = self.max_model_len if max_tokens is None else min(seq.num_tokens + max_tokens, self.max_model_len)
-        need = bm.blocks_for(longest)
-        if need > bm.num_blocks:
+        need = bm.max_blocks_per_seq(longest, self.max_num_batched_tokens)  # a sliding window bounds it
+        if need > bm.capacity:
             raise ValueError(
                 f"request {seq.request_id!r}: up to {longest} tokens ({seq.num_tokens} prompt"
                 f"{'' if max_tokens is None else f' + {max_tokens} max_tokens'}, max_model_len {self.max_model_len}) "
-                f"need {need} KV blocks of {bm.block_size} tokens, but the cache has only {bm.num_blocks}")
+                f"need {need} KV blocks of {bm.block_size} tokens, but the cache has only {bm.capacity}")
         self._live_ids.add(seq.seq_id)
         self._next_seq_id = max(self._next_seq_id, seq.seq_id + 1)
         self.waiting.append(seq)

@@ -18,6 +18,19 @@ has no block: such a hit (``HostHit``) takes a fresh device block and is copied 
 forward. With a swap pool, ``swap_out`` copies a preempted sequence's computed blocks to host blocks it owns
 and ``swap_in`` brings them back. The copies are queued here (``take_transfers``) and run by the runner in
 the order kv/tiers.py gives.
+
+Sliding window (``window``: every token layer reads only the last ``window`` tokens, kv/spec.py). Before a
+sequence computes from position ``s``, the blocks wholly before ``s - window`` are released and their
+entries in its table become the null block (block 0, reserved: never handed out, never written), so the
+table keeps its positions (token ``i`` is still in entry ``i // block_size``) while the sequence holds at most
+``CacheLayout.max_blocks`` live blocks. A released block goes back like any freed one: registered, it stays
+findable with its content intact until evicted, which removes its hash, so a prefix hit never points at a
+block whose content is gone; a later request sharing a prefix whose early blocks were evicted recomputes
+from where the chain breaks. Attention reads nothing before the window, so the null entries are never read
+for their content (a kernel that loads a whole table row loads block 0: valid memory).
+
+Per-request state (kv/state_slots.py): with ``state_slots``, each sequence also holds one state slot from
+its first schedule to its end, swapped with its blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +38,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Protocol
 
+from turnout.kv.spec import blocks_spanned
+from turnout.kv.state_slots import StateSlots
 from turnout.kv.tiers import HostBlockPool, HostHit, HostPrefixCache
 
 
@@ -63,14 +78,23 @@ def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 swap_blocks: int = 0, offload_blocks: int = 0):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+                 swap_blocks: int = 0, offload_blocks: int = 0, window: int | None = None, state_slots: int = 0,
+                 state_swap_slots: int = 0):
+        if num_blocks < 1 + (window is not None) or block_size < 1:
+            raise ValueError(f"BlockManager needs num_blocks >= {1 + (window is not None)} and block_size >= 1, got "
+                             f"{num_blocks}, {block_size}")
+        if window is not None and window < 1:
+            raise ValueError(f"BlockManager: window must be >= 1 or None, got {window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        # the null block stands in the tables for blocks released out of the window (module docstring)
+        self.null_block = 0 if window is not None else None
+        self.capacity = num_blocks - (window is not None)  # blocks a sequence can be given
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_plain: deque[int] = deque(range(num_blocks))  # free, no cached content: used first
+        # free, no cached content: used first
+        self._free_plain: deque[int] = deque(range(num_blocks - self.capacity, num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # free, registered: oldest freed first
         self._hash_to_block: dict[int, int] = {}
         # stats
@@ -90,6 +114,8 @@ class BlockManager:
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.num_host_hit_tokens = 0  # prefix hits found in the host tier (part of num_hit_tokens)
+        self.num_window_released = 0  # blocks released as they fell out of the window
+        self.states = StateSlots(state_slots, state_swap_slots) if state_slots else None
 
     # ---- state ----------------------------------------------------------------------------------
     @property
@@ -104,7 +130,7 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by at least one sequence."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.capacity
 
     @property
     def hit_rate(self) -> float:
@@ -112,6 +138,29 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_per_seq(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of up to ``num_tokens`` tokens, computed at most ``chunk`` tokens a
+        step, holds at once: all of them, or with a window what the window and one chunk span."""
+        n = self.blocks_for(num_tokens)
+        return n if self.window is None else min(n, blocks_spanned(self.window + max(chunk, 1), self.block_size))
+
+    def live_blocks(self, seq: KVSequence) -> list[int]:
+        """The blocks ``seq`` holds (its table without the null entries)."""
+        return [b for b in seq.block_table if b != self.null_block]
+
+    def _window_start(self, num_computed: int) -> int:
+        """Table entries wholly before what a step computing from ``num_computed`` reads: the window, and one
+        token more (the last one a query of the step before read, so a step in flight never loses a block)."""
+        return max(0, (num_computed - self.window) // self.block_size) if self.window is not None else 0
+
+    def _release_out_of_window(self, seq: KVSequence) -> None:
+        table = seq.block_table
+        for i in range(min(self._window_start(seq.num_computed_tokens), len(table))):
+            if table[i] != self.null_block:
+                self._unref(table[i])
+                table[i] = self.null_block
+                self.num_window_released += 1
 
     # ---- raw block moves ------------------------------------------------------------------------
     def _take_free(self) -> int:
@@ -179,14 +228,17 @@ class BlockManager:
         if num_new_tokens is None:
             num_new_tokens = seq.num_tokens - num_cached_tokens
         new = self.blocks_for(num_cached_tokens + num_new_tokens) - len(cached)
-        new += sum(1 for b in cached if isinstance(b, HostHit))  # a host hit is loaded into a fresh block
-        revived = sum(1 for b in cached if not isinstance(b, HostHit) and self.blocks[b].ref_count == 0)
+        used = cached[self._window_start(num_cached_tokens):]  # hits before the window are not taken
+        new += sum(1 for b in used if isinstance(b, HostHit))  # a host hit is loaded into a fresh block
+        revived = sum(1 for b in used if not isinstance(b, HostHit) and self.blocks[b].ref_count == 0)
         return new, revived
 
     def can_allocate(self, seq: KVSequence, num_new_tokens: int | None = None, cached: list[int] | None = None) -> bool:
         """Whether ``allocate(seq, num_new_tokens, cached)`` would succeed."""
         if cached is None:
             cached = self.match_prefix(seq)
+        if self.states is not None and self.states.needs_slot(seq.seq_id) and not self.states.num_free:
+            return False
         new, revived = self._blocks_to_allocate(seq, num_new_tokens, cached)
         return new + revived <= self.num_free_blocks
 
@@ -203,13 +255,15 @@ class BlockManager:
         if new + revived > self.num_free_blocks:
             raise RuntimeError(f"allocate: sequence {seq.seq_id} needs {new + revived} free blocks, "
                                f"{self.num_free_blocks} are free")
+        skip = self._window_start(len(cached) * self.block_size)  # hits the window no longer reads
+        table = [self.null_block] * skip
+        cached_all, cached = cached, cached[skip:]
         host_hits = [b for b in cached if isinstance(b, HostHit)]
         for block_id in cached:  # device hits first: taking free blocks below must not evict them
             if not isinstance(block_id, HostHit):
                 self._ref(block_id)
         for hit in host_hits:  # nor may an eviction below give away a host block loaded in this step
             self.host_cache.pin(hit.hash)
-        table = []
         for b in cached:
             if isinstance(b, HostHit):
                 block_id = self._take_free()
@@ -221,7 +275,9 @@ class BlockManager:
             table.append(b)
         seq.block_table = table + [self._take_free() for _ in range(new - len(host_hits))]
         self.num_host_hit_tokens += len(host_hits) * self.block_size
-        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.num_computed_tokens = len(cached_all) * self.block_size
+        if self.states is not None:
+            self.states.take(seq.seq_id)
         if self.enable_prefix_caching:
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += seq.num_computed_tokens
@@ -253,6 +309,7 @@ class BlockManager:
             raise RuntimeError(f"append_slots: sequence {seq.seq_id} needs "
                                f"{self.blocks_to_append(seq, num_new_tokens)} free blocks, "
                                f"{self.num_free_blocks} are free")
+        self._release_out_of_window(seq)
         copies = []
         i = self._shared_write_block(seq)
         if i >= 0:
@@ -270,17 +327,29 @@ class BlockManager:
     def fork(self, parent: KVSequence, child: KVSequence) -> None:
         """``child`` shares every block of ``parent`` (its block table is already a copy)."""
         assert child.block_table == parent.block_table
-        for block_id in child.block_table:
+        if self.states is not None:
+            raise ValueError("n > 1: forking a sequence with per-request state (a recurrent layer) is not "
+                             "supported")
+        for block_id in self.live_blocks(child):
             self._ref(block_id)
 
     def free(self, seq: KVSequence) -> None:
-        for block_id in reversed(seq.block_table):  # tail first: evicted before the shared head
+        for block_id in reversed(self.live_blocks(seq)):  # tail first: evicted before the shared head
             self._unref(block_id)
         seq.block_table = []
+        if self.states is not None:
+            self.states.release(seq.seq_id)
 
     # ---- swap (preemption to the host pool) ------------------------------------------------------
+    def _computed_live(self, seq: KVSequence) -> list[int]:
+        """Indices in the table of the live blocks holding computed tokens."""
+        n = self.blocks_for(seq.num_computed_tokens)
+        return [i for i, b in enumerate(seq.block_table[:n]) if b != self.null_block]
+
     def can_swap_out(self, seq: KVSequence) -> bool:
-        return self.blocks_for(seq.num_computed_tokens) <= self.swap_pool.num_free
+        if self.states is not None and not self.states.can_swap_out():
+            return False
+        return len(self._computed_live(seq)) <= self.swap_pool.num_free
 
     def swap_out(self, seq: KVSequence, undo_copies: list[tuple[int, int]] = ()) -> bool:
         """Copy the blocks holding ``seq``'s computed tokens to host blocks it then owns, and free its
@@ -288,37 +357,53 @@ class BlockManager:
         scheduled for ``seq`` in this step and dropped with it: dst holds nothing yet, so src is read
         (its sibling holds it, and nothing writes a block before this step's device -> host copies ran).
         False (nothing done) when the pool has too few free blocks."""
-        n = self.blocks_for(seq.num_computed_tokens)
-        host = self.swap_pool.allocate(n)
+        live = self._computed_live(seq)
+        if self.states is not None and not self.states.can_swap_out():
+            return False
+        host = self.swap_pool.allocate(len(live))
         if host is None:
             return False
         read = dict((dst, src) for src, dst in undo_copies)
-        self._to_host.extend((read.get(d, d), h) for d, h in zip(seq.block_table[:n], host))
-        self.swapped[seq.seq_id] = host
-        self.num_swapped_out_blocks += n
+        table = seq.block_table
+        self._to_host.extend((read.get(table[i], table[i]), h) for i, h in zip(live, host))
+        # host block per table entry up to the computed end; None where the window released it
+        slots: list[int | None] = [None] * self.blocks_for(seq.num_computed_tokens)
+        for i, h in zip(live, host):
+            slots[i] = h
+        self.swapped[seq.seq_id] = slots
+        self.num_swapped_out_blocks += len(live)
+        if self.states is not None:
+            self.states.swap_out(seq.seq_id)
         self.free(seq)
         return True
 
     def can_swap_in(self, seq: KVSequence, num_new_tokens: int) -> bool:
-        n = len(self.swapped[seq.seq_id])
-        grow = max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - n)
-        return n + grow <= self.num_free_blocks
+        host = self.swapped[seq.seq_id]
+        grow = max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(host))
+        if self.states is not None and not self.states.num_free:
+            return False
+        return sum(h is not None for h in host) + grow <= self.num_free_blocks
 
     def swap_in(self, seq: KVSequence) -> None:
         """Fresh device blocks for a swapped-out sequence, its host blocks queued to be copied into them
         (before the step's forward). Check ``can_swap_in`` first; then ``append_slots`` as usual."""
         assert not seq.block_table, f"swap_in: sequence {seq.seq_id} already holds blocks"
         host = self.swapped.pop(seq.seq_id)
-        seq.block_table = [self._take_free() for _ in host]
-        self._to_device.extend(zip(host, seq.block_table))
-        self._host_to_free.extend(host)  # not reusable before this step's copies are queued
-        self.num_swapped_in_blocks += len(host)
+        seq.block_table = [self.null_block if h is None else self._take_free() for h in host]
+        live = [(h, d) for h, d in zip(host, seq.block_table) if h is not None]
+        self._to_device.extend(live)
+        self._host_to_free.extend(h for h, _ in live)  # not reusable before this step's copies are queued
+        self.num_swapped_in_blocks += len(live)
+        if self.states is not None:
+            self.states.swap_in(seq.seq_id)
 
     def drop_swapped(self, seq: KVSequence) -> None:
         """A swapped-out sequence ended (aborted, failed): its host blocks go back to the pool."""
         host = self.swapped.pop(seq.seq_id, None)
         if host:
-            self.swap_pool.free(host)
+            self.swap_pool.free([h for h in host if h is not None])
+        if self.states is not None:
+            self.states.drop_swapped(seq.seq_id)
 
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies queued since the last call: ((device, host) to run first, (host, device) after
@@ -345,8 +430,10 @@ class BlockManager:
         bs, table = self.block_size, seq.block_table
         num_full = min(seq.num_computed_tokens // bs, len(table))
         first = num_full
-        while first > 0 and self.blocks[table[first - 1]].hash is None:
+        while first > 0 and table[first - 1] != self.null_block and self.blocks[table[first - 1]].hash is None:
             first -= 1
+        if first > 0 and table[first - 1] == self.null_block:
+            return  # the chain's parent was released unregistered (swapped back in): these stay unregistered
         parent = self.blocks[table[first - 1]].hash if first > 0 else None
         for i in range(first, num_full):
             block = self.blocks[table[i]]
@@ -358,7 +445,7 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content of free blocks. False (nothing done) while any block is in use."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.capacity:
             return False
         for block_id in list(self._free_cached):
             self.blocks[block_id].forget()
@@ -409,4 +496,5 @@ class BlockManager:
             "host_tier_used_blocks": 0 if self.host_cache is None else self.host_cache.num_used,
             "host_tier_offloaded_blocks": 0 if self.host_cache is None else self.host_cache.num_offloaded,
             "host_tier_hit_tokens": self.num_host_hit_tokens,
+            "window_released_blocks": self.num_window_released,
         }

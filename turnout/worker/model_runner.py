@@ -9,7 +9,7 @@ import torch
 
 from turnout.engine.concurrency import default_max_num_seqs
 from turnout.worker.cuda_graphs import maybe_capture
-from turnout.worker.kv_sizing import kv_dtype, kv_geometry, plan_kv_blocks
+from turnout.worker.kv_sizing import allocate_caches, kv_dtype, model_cache_layout, plan_kv_blocks
 from turnout.worker.kv_transfer import KVTransfer, LayerGatedCaches
 from turnout.worker.prompt_logprobs import compute_chunks, merge_rows, prompt_rows
 from turnout.worker.rank_memory import RankMemory
@@ -40,9 +40,6 @@ class ModelRunner:
         self._download = torch.cuda.Stream(self.device) if cuda else None
         self.block_size = config.block_size
         self.vocab_size = self.hf_config.vocab_size
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(self.hf_config)
-        # A tensor-parallel shard caches its own kv heads only (turnout/models/decoder.py).
-        self.num_kv_heads = getattr(self.model, "kv_heads_per_rank", self.num_kv_heads)
         # The mp executor's StepPublisher (turnout/executor/multiproc.py): this rank drives the others; None
         # in a world of one.
         self.step_publisher = step_publisher
@@ -54,17 +51,22 @@ class ModelRunner:
         logger.info("decode fusions: %s", self.model.plan.describe())
         # The cache's storage dtype (turnout/ops/kv_cache.py): the model's, or float8_e4m3fn (bytes per token halve)
         self.kv_dtype = kv_dtype(self)
+        # What each layer stores (turnout/kv/spec.py), declared by the layers: this rank's shard under tensor
+        # parallelism (its kv heads), in the order the model takes its caches
+        self.cache_layout = model_cache_layout(self.model, self.kv_dtype)
+        # one state slot per sequence a step may hold, for recurrent layers (none without them)
+        self.num_state_slots = (config.max_num_seqs or 256) if self.cache_layout.state_layers else 0
         self.num_blocks = plan_kv_blocks(self)
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        # One (k, v) pair per layer: [num_blocks, block_size, Hk, D]
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(self.num_layers)]
+        # One tuple of tensors per layer, as its spec says: (k, v) [num_blocks, block_size, Hk, D] for attention
+        self.kv_caches = allocate_caches(self.cache_layout, self.num_blocks, self.block_size, self.num_state_slots,
+                                         self.device)
         if config.max_num_seqs is None:  # what the cache holds at max_model_len (turnout/engine/concurrency.py)
-            self.config = config = dataclasses.replace(config, max_num_seqs=default_max_num_seqs(
-                self.num_blocks, self.block_size, self.max_model_len))
-        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s); max_num_seqs %d", self.num_blocks,
+            longest = self.cache_layout.max_blocks(self.max_model_len, self.block_size, config.max_num_batched_tokens)
+            seqs = default_max_num_seqs(self.num_blocks, self.block_size, longest * self.block_size)
+            self.config = config = dataclasses.replace(config, max_num_seqs=min(seqs, self.num_state_slots or seqs))
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s; %s); max_num_seqs %d", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_bytes / 2**30,
-                    str(self.kv_dtype).replace("torch.", ""), config.max_num_seqs)
+                    str(self.kv_dtype).replace("torch.", ""), self.cache_layout.describe(), config.max_num_seqs)
         # KV tiers: host caches, swap strategy, start-up measurements for preemption_mode auto (kv_transfer.py)
         self.kv_transfer = KVTransfer(self, config)
         self._swap_gate = None  # this step's swap-ins, passed layer by layer by the next forward
@@ -87,8 +89,13 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """Bytes one block id stands for: its share of every token layer's cache."""
+        return self.cache_layout.block_bytes(self.block_size)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """This rank's kv heads of the first attention layer (diagnostics; the specs hold each layer's)."""
+        return next((s.num_kv_heads for s in self.cache_layout.specs if hasattr(s, "num_kv_heads")), 0)
 
     # ---- one step --------------------------------------------------------------------------
     def _host(self, x, dtype) -> torch.Tensor:
