@@ -19,7 +19,9 @@ SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_lay
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
 CONFIGS = {
     "LlamaForCausalLM": lambda: transformers.LlamaConfig(**SMALL),
-    "MistralForCausalLM": lambda: transformers.MistralConfig(**SMALL),
+    "MistralForCausalLM": lambda: transformers.MistralConfig(**SMALL, sliding_window=8),
+    "Gemma2ForCausalLM": lambda: transformers.Gemma2Config(**SMALL, head_dim=8, sliding_window=8),
+    "Gemma3ForCausalLM": lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=8, sliding_window=8),
     "Qwen2ForCausalLM": lambda: transformers.Qwen2Config(**SMALL),
     "Qwen3ForCausalLM": lambda: transformers.Qwen3Config(**SMALL, head_dim=8),
     "Qwen3MoeForCausalLM": lambda: transformers.Qwen3MoeConfig(**SMALL, **MOE, num_experts=4, head_dim=8),

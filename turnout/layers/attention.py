@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from turnout.distributed.parallel_state import SINGLE, TPGroup
+
 
 @dataclass
 class AttentionMetadata:
@@ -49,6 +51,23 @@ def _kv_scale() -> nn.Parameter:
     return p
 
 
+def _sinks_param(num_heads: int, tp: TPGroup) -> nn.Parameter:
+    """Learned per-head sink logits, float32 whatever the model's dtype (they join a float32 softmax). The
+    checkpoint holds one per head of the whole model; this rank keeps its own heads' slice."""
+    p = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
+
+    def load(param: torch.Tensor, tensor: torch.Tensor, shard_id=None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"unexpected shard {shard_id!r} for attention sinks")
+        if tensor.dim() != 1 or tensor.shape[0] != num_heads * tp.size:
+            raise ValueError(f"attention sinks: checkpoint tensor {tuple(tensor.shape)}, expected "
+                             f"({num_heads * tp.size},) (one per query head)")
+        param.data.copy_(tensor.narrow(0, tp.rank * num_heads, num_heads).to(param.dtype))
+
+    p.weight_loader = load
+    return p
+
+
 class Attention(nn.Module):
     """Causal GQA attention over a paged KV cache: ``ops.reshape_and_cache`` then ``ops.paged_attention``.
 
@@ -56,15 +75,33 @@ class Attention(nn.Module):
     policy says ``kv_cache=fp8``: turnout/ops/kv_cache.py) it holds ``k_scale`` / ``v_scale``, [1] float32
     parameters (1.0, or a checkpoint's ``self_attn.k_scale`` / ``v_scale``), which every cache op gets:
     ``cache_kwargs``, also passed by the model's fused decode paths.
+
+    The layer's own attention variant (turnout/ops/reference/attention_variants.py): ``sliding_window`` (keys
+    within W positions, itself included), ``logit_softcap`` and, with ``sinks=True``, a ``sinks`` parameter of
+    this rank's ``num_heads`` float32 logits (the checkpoint's [total heads] sliced by ``tp``). Every attention op
+    call gets them through ``attention_kwargs``; a layer without a variant passes none, so its calls are the
+    plain ones.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops, *,
+                 sliding_window: int | None = None, logit_softcap: float | None = None, sinks: bool = False,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+        if logit_softcap is not None and not float(logit_softcap) > 0.0:
+            raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.ops = ops
+        self.sliding_window = sliding_window
+        self.logit_softcap = None if logit_softcap is None else float(logit_softcap)
+        self.has_sinks = bool(sinks)
+        if self.has_sinks:
+            self.sinks = _sinks_param(num_heads, tp)
         self.fp8_kv = getattr(getattr(ops, "policy", None), "kv_cache", "auto") == "fp8"
         if self.fp8_kv:
             self.k_scale, self.v_scale = _kv_scale(), _kv_scale()
@@ -73,6 +110,24 @@ class Attention(nn.Module):
     def cache_kwargs(self) -> dict:
         """The keywords of every op that writes or reads the cache: the fp8 scales, or none."""
         return {"k_scale": self.k_scale, "v_scale": self.v_scale} if self.fp8_kv else {}
+
+    @property
+    def variant_kwargs(self) -> dict:
+        """The keywords of this layer's attention variant (only those it has)."""
+        kw = {}
+        if self.sliding_window is not None:
+            kw["sliding_window"] = self.sliding_window
+        if self.logit_softcap is not None:
+            kw["logit_softcap"] = self.logit_softcap
+        if self.has_sinks:
+            kw["sinks"] = self.sinks
+        return kw
+
+    @property
+    def attention_kwargs(self) -> dict:
+        """The keywords of every attention op call (``paged_attention``, ``rotary_paged_attention``): the cache's
+        and the variant's."""
+        return {**self.cache_kwargs, **self.variant_kwargs}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -88,7 +143,7 @@ class Attention(nn.Module):
             self.ops.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping, **kw)
         return self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
-                                        self.scale, **kw)
+                                        self.scale, **kw, **self.variant_kwargs)
 
     def kv_spec(self, cache_dtype: str):
         """What this layer stores per token (turnout/kv/spec.py): k and v of its kv heads (this rank's under
@@ -102,4 +157,6 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
-                + (", kv_cache=fp8" if self.fp8_kv else ""))
+                + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else "")
+                + (f", logit_softcap={self.logit_softcap:g}" if self.logit_softcap is not None else "")
+                + (", sinks" if self.has_sinks else "") + (", kv_cache=fp8" if self.fp8_kv else ""))

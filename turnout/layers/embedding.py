@@ -41,10 +41,17 @@ def _vocab_shard_loader(layer):
 
 
 class VocabEmbedding(nn.Module):
-    """input_ids [T] int64 -> [T, H]. ``weight`` [V, H] (this rank's [Vp, H] under TP)."""
+    """input_ids [T] int64 -> [T, H]. ``weight`` [V, H] (this rank's [Vp, H] under TP).
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TPGroup = SINGLE, ops=None):
+    ``scale`` (Gemma: sqrt(H)): every row is multiplied by it, the factor first rounded to the model dtype as
+    HF rounds it (a bf16 Gemma multiplies by bf16(sqrt(H)), not by the exact root)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TPGroup = SINGLE, ops=None,
+                 scale: float | None = None):
         super().__init__()
+        # a derived constant, not in the state dict; in the default (model) dtype the layer is built under
+        self.register_buffer("scale", None if scale is None else torch.tensor(float(scale)).to(torch.get_default_dtype()),
+                             persistent=False)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp = tp
         rows = vocab_rows_per_rank(num_embeddings, tp.size)
@@ -57,16 +64,19 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.reduce_ops is None:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])  # [T] ids another rank holds
-        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
-        hidden.masked_fill_(outside[:, None], 0.0)
-        return self.reduce_ops.all_reduce(hidden, self.tp.group)
+            hidden = F.embedding(input_ids, self.weight)
+        else:
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.weight.shape[0])  # [T] ids another rank holds
+            hidden = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+            hidden.masked_fill_(outside[:, None], 0.0)
+            hidden = self.reduce_ops.all_reduce(hidden, self.tp.group)
+        return hidden if self.scale is None else hidden.mul_(self.scale)
 
     def extra_repr(self) -> str:
         tp = f", rows {self.vocab_start}+{self.weight.shape[0]} of tp {self.tp.size}" if self.tp.size > 1 else ""
-        return f"{self.num_embeddings}, {self.embedding_dim}{tp}"
+        scale = f", scale={self.scale.item():g}" if self.scale is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{tp}{scale}"
 
 
 class LMHead(nn.Module):
@@ -76,13 +86,15 @@ class LMHead(nn.Module):
     registered once, under the embedding's name, so a checkpoint's redundant ``lm_head.weight`` is
     an ignorable extra, not a second parameter to fill. ``ops`` and ``plan``: as for the linear layers
     (with ``plan.one_row_linear`` a one-row batch goes through ``ops.small_m_linear``, on this rank's rows
-    under TP). ``tp``: the vocab split of the module docstring.
+    under TP). ``tp``: the vocab split of the module docstring. ``softcap`` (Gemma 2's
+    ``final_logit_softcapping``): logits = softcap * tanh(logits / softcap), on the float32 logits.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
                  tie_to: VocabEmbedding | None = None, *, tp: TPGroup = SINGLE, ops=None,
-                 plan: FusionPlan = NO_FUSIONS):
+                 plan: FusionPlan = NO_FUSIONS, softcap: float | None = None):
         super().__init__()
+        self.softcap = float(softcap) if softcap else None
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp = tp
         rows = vocab_rows_per_rank(num_embeddings, tp.size)
@@ -114,9 +126,11 @@ class LMHead(nn.Module):
         logits = project(hidden, self.weight, self.bias, self.one_row_ops, linear_ops=self.linear_ops)  # [N, V] (this rank's [N, Vp] under TP)
         if self.gather_ops is not None:
             logits = self.gather_ops.all_gather(logits, -1, self.tp.group)[:, :self.num_embeddings]  # [N, V]
-        if out is None:
-            return logits.float()
-        return out.copy_(logits)
+        logits = logits.float() if out is None else out.copy_(logits)
+        if self.softcap is not None:  # in place on float32 logits this layer owns (a fresh tensor, or out)
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
 
     def extra_repr(self) -> str:
-        return f"{self.embedding_dim} -> {self.num_embeddings}, tied={self.tied}"
+        cap = f", softcap={self.softcap}" if self.softcap is not None else ""
+        return f"{self.embedding_dim} -> {self.num_embeddings}, tied={self.tied}{cap}"

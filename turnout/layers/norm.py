@@ -13,14 +13,20 @@ class RMSNorm(nn.Module):
 
     The two-argument form is ``ops.fused_add_rms_norm``: it writes into ``x`` and ``residual`` (both
     [T, H], contiguous) and returns them, so a decoder layer does one pass over memory per norm.
+
+    ``unit_offset`` (Gemma): the checkpoint stores w and the model scales by (1 + w). The parameter holds
+    1 + w, added once when a tensor is loaded (checkpoint, weight update), so every norm op and every fused
+    kernel that reads ``weight`` (the pre-norm fused into a projection, q/k norm inside rope) computes the
+    Gemma norm with no op of its own and no per-step add. The sum is taken in float32 before it is cast.
     """
 
-    def __init__(self, hidden_size: int, eps: float, ops):
+    def __init__(self, hidden_size: int, eps: float, ops, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)  # [H]
-        self.weight.weight_loader = default_weight_loader
+        self.weight.weight_loader = _unit_offset_loader if unit_offset else default_weight_loader
         self.eps = eps
         self.ops = ops
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -29,7 +35,12 @@ class RMSNorm(nn.Module):
         return x, residual
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (", weight=1+w" if self.unit_offset else "")
+
+
+def _unit_offset_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    """A checkpoint's w into a parameter that holds 1 + w (``RMSNorm(unit_offset=True)``)."""
+    default_weight_loader(param, loaded_weight.float() + 1.0, shard_id)
 
 
 class PendingNorm:

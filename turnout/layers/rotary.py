@@ -15,12 +15,34 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def rope_parameters(config) -> dict:
+def rope_by_layer_type(config) -> bool:
+    """Whether ``config.rope_parameters`` holds one dict per attention layer type (transformers 5's nested form,
+    e.g. Gemma 3: {"full_attention": {...}, "sliding_attention": {...}}) rather than one dict for every layer.
+    Decided as transformers decides it: the keys name layer types."""
+    params = getattr(config, "rope_parameters", None)
+    types = set(getattr(config, "layer_types", None) or ()) | {"full_attention", "sliding_attention"}
+    return isinstance(params, dict) and bool(types & set(params))
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
     """The rope settings of an HF config, old (``rope_scaling`` + ``rope_theta``) or new
-    (``rope_parameters``) style, as one dict with ``rope_type`` and ``rope_theta``."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    for key, value in (getattr(config, "rope_scaling", None) or {}).items():
-        params.setdefault(key, value)
+    (``rope_parameters``) style, as one dict with ``rope_type`` and ``rope_theta``. ``layer_type`` (an entry
+    of ``config.layer_types``) picks that type's settings where the config has them per type (nested
+    ``rope_parameters``, or the older Gemma 3 attribute ``rope_local_base_freq`` for sliding layers)."""
+    if layer_type is not None and rope_by_layer_type(config):
+        params = config.rope_parameters.get(layer_type)
+        if params is None:
+            raise ValueError(f"rope_parameters has no entry for layer type {layer_type!r} (layers without rope "
+                             "are not supported)")
+        params = dict(params)
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None) is not None:
+        params = {"rope_type": "default", "rope_theta": config.rope_local_base_freq}  # scaling is the global layers'
+    else:
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        if rope_by_layer_type(config):  # no layer type asked: the global layers' settings
+            params = dict(params.get("full_attention") or {})
+        for key, value in (getattr(config, "rope_scaling", None) or {}).items():
+            params.setdefault(key, value)
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     if "partial_rotary_factor" not in params and getattr(config, "partial_rotary_factor", None) is not None:
@@ -28,9 +50,9 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def inv_freq_and_scaling(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rot_dim / 2] float32, attention scaling of cos/sin) for ``config``."""
-    params = rope_parameters(config)
+def inv_freq_and_scaling(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rot_dim / 2] float32, attention scaling of cos/sin) for ``config`` (and its ``layer_type``)."""
+    params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type == "default":
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
@@ -44,7 +66,11 @@ def inv_freq_and_scaling(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type == "dynamic":
         logger.warning("rope_type 'dynamic': the cache uses the base frequencies; HF rescales them "
                        "only past max_position_embeddings, which the engine does not exceed")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if rope_by_layer_type(config):  # transformers reads that type's dict itself (none asked: the global layers')
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"),
+                                                           layer_type=layer_type or "full_attention")
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
 
 
@@ -95,15 +121,17 @@ class RotaryEmbedding(nn.Module):
                 f"max_position={self.cos_sin_cache.shape[0]}, neox={self.is_neox}")
 
 
-def get_rope(config, head_dim: int, max_position: int, ops, is_neox: bool = True) -> RotaryEmbedding:
-    """The rotary embedding an HF ``config`` describes (theta, scaling, partial_rotary_factor)."""
+def get_rope(config, head_dim: int, max_position: int, ops, is_neox: bool = True,
+             layer_type: str | None = None) -> RotaryEmbedding:
+    """The rotary embedding an HF ``config`` describes (theta, scaling, partial_rotary_factor), for the layers of
+    ``layer_type`` where the config sets rope per layer type (``rope_parameters``)."""
     # Models are built under the loader's device and a bf16/fp16 default dtype; the frequencies must
     # not inherit either (HF's init functions make some tensors in the default dtype).
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
         with torch.device("cpu"):
-            inv_freq, scaling = inv_freq_and_scaling(config, head_dim)
+            inv_freq, scaling = inv_freq_and_scaling(config, head_dim, layer_type)
             cache = build_cos_sin_cache(inv_freq, max_position, scaling)
     finally:
         torch.set_default_dtype(old)

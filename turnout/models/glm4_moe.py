@@ -30,7 +30,7 @@ class Glm4MoeForCausalLM(MoeDecoderForCausalLM):
     def make_attention(self, config, layer_idx: int, ops, rotary, plan: FusionPlan = NO_FUSIONS):
         return DecoderAttention(config, ops, rotary, qkv_bias=bool(getattr(config, "attention_bias", False)),
                                 o_bias=False, qk_norm=bool(getattr(config, "use_qk_norm", False)), plan=plan,
-                                tp=self.tp)
+                                tp=self.tp, spec=self.attention_spec(config, layer_idx))
 
     def make_mlp(self, config, layer_idx: int, ops, plan: FusionPlan = NO_FUSIONS):
         if not is_moe_layer(config, layer_idx):

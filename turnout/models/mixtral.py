@@ -1,4 +1,4 @@
-"""Mixtral: the Mistral decoder with every MLP a sparse block of ``num_local_experts`` SwiGLU experts.
+"""Mixtral: the Mistral decoder (``sliding_window`` on every layer) with every MLP a sparse block of ``num_local_experts`` SwiGLU experts.
 
 Routing: softmax over the top-k logits (the same weights as softmax, top-k, renormalise). Checkpoint
 names: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2``
@@ -11,6 +11,7 @@ from turnout.models.moe_decoder import MoeDecoderForCausalLM
 
 
 class MixtralForCausalLM(MoeDecoderForCausalLM):
+    window_every_layer = True  # Mistral's attention: config.sliding_window (null in the released checkpoints)
     weight_name_rules = [
         *expert_weight_rules(module=r"block_sparse_moe\.experts", names={"w1": "gate", "w3": "up", "w2": "down"}),
         (r"(^|\.)block_sparse_moe\.gate\.weight$", r"\g<1>mlp.gate.weight", None),

@@ -8,7 +8,9 @@ import importlib
 # architecture name -> "module:class" under turnout.models
 MODELS: dict[str, str] = {
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
-    "MistralForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "mistral:MistralForCausalLM",
+    "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Qwen2ForCausalLM": "qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",

@@ -8,7 +8,7 @@ def all_specs() -> list[OpSpec]:
                                        norm, rotary, routing, sampling, swap)
 
     return [norm.RMS_NORM, norm.FUSED_ADD_RMS_NORM, rotary.ROTARY_EMBEDDING, rotary.QK_NORM_ROTARY, rotary.QK_NORM_ROTARY_CACHE,
-            activation.SILU_AND_MUL,
+            activation.SILU_AND_MUL, activation.GELU_TANH_AND_MUL, activation.CLAMPED_SWIGLU,
             cache.RESHAPE_AND_CACHE, cache.COPY_BLOCKS, cache.SWAP_BLOCKS, attention.PAGED_ATTENTION,
             sampling.SAMPLE, moe.MOE_EXPERTS, routing.SELECT_EXPERTS, linear.SMALL_M_LINEAR,
             linear.ADD_RMS_NORM_LINEAR, attention.ROTARY_PAGED_ATTENTION,

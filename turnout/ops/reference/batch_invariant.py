@@ -138,10 +138,17 @@ def select_experts(router_logits, top_k, *args, **kwargs):
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                    scale, k_scale=None, v_scale=None) -> torch.Tensor:
+                    scale, k_scale=None, v_scale=None, *, sliding_window=None, logit_softcap=None,
+                    sinks=None) -> torch.Tensor:
     """The contract of turnout/ops/reference/attention.py, with the fixed reduction of the module docstring
-    (an fp8 cache dequantised element-wise first: the reduction is unchanged)."""
+    (an fp8 cache dequantised element-wise first: the reduction is unchanged). With a sliding window the walk
+    starts at the aligned block holding the tile's first window position: blocks before a row's own window
+    are masked whole for it and leave it exactly as it was, so where the walk starts changes no row's bits; keys
+    before every row's window are never read (zeros stand in)."""
+    from turnout.ops.reference.attention_variants import check_variants, softcap, window_start
     from turnout.ops.reference.cache import from_cache
+
+    check_variants(sliding_window, logit_softcap, sinks, query.shape[1])
     out = torch.empty_like(query)
     bs, hk, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     hq = query.shape[1]
@@ -152,15 +159,16 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
         q_len = qsl[b + 1] - qsl[b]
         if q_len == 0:
             continue
-        nblk = (kv_len + bs - 1) // bs
-        blocks = block_tables[b, :nblk].long()
+        first = kv_len - q_len  # position of the sequence's first new token
+        lo = window_start(first, sliding_window)
+        fb, nblk = lo // bs, (kv_len + bs - 1) // bs
+        blocks = block_tables[b, fb:nblk].long()
         padded = (kv_len + KV_BLOCK - 1) // KV_BLOCK * KV_BLOCK
         k = torch.zeros(padded, hk, d, dtype=torch.float32, device=dev)  # keys past kv_len: zeros, masked
         v = torch.zeros(padded, hk, d, dtype=torch.float32, device=dev)
-        k[:kv_len] = from_cache(k_cache[blocks].reshape(nblk * bs, hk, d)[:kv_len], k_scale)
-        v[:kv_len] = from_cache(v_cache[blocks].reshape(nblk * bs, hk, d)[:kv_len], v_scale)
+        k[lo:kv_len] = from_cache(k_cache[blocks].reshape(-1, hk, d)[lo - fb * bs:kv_len - fb * bs], k_scale)
+        v[lo:kv_len] = from_cache(v_cache[blocks].reshape(-1, hk, d)[lo - fb * bs:kv_len - fb * bs], v_scale)
         k, v = k.permute(1, 2, 0).contiguous(), v.permute(1, 0, 2).contiguous()  # [Hk, D, P], [Hk, P, D]
-        first = kv_len - q_len  # position of the sequence's first new token
         for start, n in _tiles(q_len):
             qt = _pad(query[qsl[b]:qsl[b + 1]], start, n).float()  # [R, Hq, D]
             qt = qt.view(ROW_TILE, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * ROW_TILE, d)
@@ -169,16 +177,27 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
             m = torch.full((hk, g * ROW_TILE), float("-inf"), device=dev)
             den = torch.zeros(hk, g * ROW_TILE, device=dev)
             acc = torch.zeros(hk, g * ROW_TILE, d, device=dev)
-            for j in range(0, first + start + n, KV_BLOCK):
-                s = torch.bmm(qt, k[:, :, j:j + KV_BLOCK]) * scale  # [Hk, g R, KV_BLOCK]
+            walk_lo = window_start(first + start, sliding_window) // KV_BLOCK * KV_BLOCK
+            for j in range(walk_lo, first + start + n, KV_BLOCK):
+                s = softcap(torch.bmm(qt, k[:, :, j:j + KV_BLOCK]) * scale, logit_softcap)  # [Hk, g R, KV_BLOCK]
                 kpos = j + torch.arange(KV_BLOCK, device=dev)[None, :]
-                s = s.masked_fill(kpos > pos, float("-inf"))
+                dead = kpos > pos
+                if sliding_window is not None:
+                    dead |= kpos <= pos - sliding_window
+                s = s.masked_fill(dead, float("-inf"))
                 m_new = torch.maximum(m, s.amax(-1))
-                alpha = torch.exp(m - m_new)
-                p = torch.exp(s - m_new[..., None])
+                m_use = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at 0
+                alpha = torch.exp(m - m_use)
+                p = torch.exp(s - m_use[..., None])
                 den = den * alpha + p.sum(-1)
                 acc = acc * alpha[..., None] + torch.bmm(p, v[:, j:j + KV_BLOCK])
                 m = m_new
+            if sinks is not None:  # the sink joins the denominator only (turnout/ops/reference/attention_variants.py)
+                sink = sinks.float().to(dev).view(hk, g, 1).expand(hk, g, ROW_TILE).reshape(hk, g * ROW_TILE)
+                m_f = torch.maximum(m, sink)
+                alpha = torch.exp(m - m_f)
+                den = den * alpha + torch.exp(sink - m_f)
+                acc = acc * alpha[..., None]
             o = (acc / den[..., None]).view(hk, g, ROW_TILE, d).permute(2, 0, 1, 3).reshape(ROW_TILE, hq, d)
             out[qsl[b] + start: qsl[b] + start + n] = o[:n].to(query.dtype)
     return out
@@ -186,7 +205,8 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
 
 def rotary_paged_attention(positions, query, key, value, q_weight, k_weight, eps, cos_sin_cache, is_neox, k_cache,
                            v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len,
-                           max_seq_len, scale, k_scale=None, v_scale=None) -> torch.Tensor:
+                           max_seq_len, scale, k_scale=None, v_scale=None, *, sliding_window=None,
+                           logit_softcap=None, sinks=None) -> torch.Tensor:
     if (q_weight is None) != (k_weight is None):
         raise ValueError("rotary_paged_attention: give both q_weight and k_weight, or neither")
     q, k = query.clone(), key.clone()
@@ -196,7 +216,8 @@ def rotary_paged_attention(positions, query, key, value, q_weight, k_weight, eps
         rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
     reshape_and_cache(k, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                           scale, k_scale, v_scale)
+                           scale, k_scale, v_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+                           sinks=sinks)
 
 
 def combine_slots(pair_out: torch.Tensor) -> torch.Tensor:

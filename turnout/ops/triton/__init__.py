@@ -16,6 +16,8 @@ KERNELS: dict[str, str] = {
     "qk_norm_rotary": "rotary:qk_norm_rotary",
     "qk_norm_rotary_cache": "rotary:qk_norm_rotary_cache",
     "silu_and_mul": "activation:silu_and_mul",
+    "gelu_tanh_and_mul": "activation:gelu_tanh_and_mul",
+    "clamped_swiglu": "activation:clamped_swiglu",
     "reshape_and_cache": "cache:reshape_and_cache",
     "copy_blocks": "cache:copy_blocks",
     "swap_blocks": "cache:swap_blocks",
