@@ -75,7 +75,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or _display_name(config.model, loaded)
         self.max_model_len = _context_limit(config.max_model_len, loaded)
         self.runner = self.executor.runner  # rank 0's ModelRunner: the core drives it
-        # max_num_seqs=None: the runner chose it when it sized the cache (turnout/engine/concurrency.py)
+        # max_num_seqs=None: the runner chose it when it sized the cache (turnout/worker/concurrency.py)
         self.config = config = dataclasses.replace(config, max_num_seqs=self.runner.max_num_seqs)
         xfer = self.runner.kv_transfer  # the KV tiers' host pools and preemption mode (worker/kv_transfer.py)
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -167,6 +167,8 @@ class LLMEngine:
                            generation_tokens_total=self.output_processor.generation_tokens_total,
                            prefix_cache_hit_tokens_total=s.num_prefix_cached_tokens,
                            lookahead_steps_total=self.core.num_lookahead_steps,
+                           draft_tokens_total=self.core.num_draft_tokens,
+                           accepted_draft_tokens_total=self.core.num_accepted_draft_tokens,
                            num_failed_requests_total=self.core.num_failed_requests,
                            **self._tier_stats())
 

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from turnout.engine.concurrency import profile_rows
+from turnout.worker.concurrency import profile_rows
 from turnout.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
