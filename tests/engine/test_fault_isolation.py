@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from turnout import LLM, SamplingParams  # noqa: E402
-from turnout.worker import model_runner  # noqa: E402
+from turnout.worker import step_sampling  # noqa: E402
 
 VOCAB = 96
 
@@ -116,7 +116,7 @@ def test_fault_in_step_inputs(llm, monkeypatch):
 
 def test_fault_in_sampling_inputs(llm, monkeypatch):
     runner = llm.engine.runner
-    real = model_runner.lane_values
+    real = step_sampling.lane_values
     boom = _fail_on_call(5, "sampling")
 
     def lane_values(req, step):
@@ -124,7 +124,7 @@ def test_fault_in_sampling_inputs(llm, monkeypatch):
             boom()
         return real(req, step)
 
-    monkeypatch.setattr(model_runner, "lane_values", lane_values)
+    monkeypatch.setattr(step_sampling, "lane_values", lane_values)
     reqs = _requests()
     done = _run(llm.engine, reqs)
     monkeypatch.undo()

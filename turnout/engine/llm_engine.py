@@ -13,7 +13,8 @@ import logging
 import time
 
 from turnout.config import EngineConfig
-from turnout.engine.core import EngineCore, EngineStats
+from turnout.engine.core import EngineCore
+from turnout.engine.core_outputs import EngineStats
 from turnout.engine.input_processor import ContextLengthError, InputProcessor
 from turnout.engine.output_processor import OutputProcessor
 from turnout.engine.outputs import RequestOutput

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from turnout.engine.core import CoreOutput, SampledToken
+from turnout.engine.core_outputs import CoreOutput, SampledToken
 from turnout.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from turnout.engine.input_processor import EngineRequest, Tokenizer
 from turnout.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

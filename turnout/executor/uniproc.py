@@ -10,7 +10,7 @@ class UniprocExecutor:
 
         self.worker = Worker(config, platform=platform, ops=ops)
         self.loaded = self.worker.loaded
-        self.runner = self.worker.runner  # what the engine core calls execute / start_readback on
+        self.runner = self.worker.runner  # what the engine core calls execute on
         self.num_blocks = self.runner.num_blocks
         self.world_size = 1
 

@@ -15,9 +15,9 @@ from turnout.worker.prompt_logprobs import compute_chunks, merge_rows, prompt_ro
 from turnout.worker.rank_memory import RankMemory
 from turnout.worker.routed_experts import RoutingRecorder
 from turnout.layers.attention import AttentionMetadata
-from turnout.layers.sampler import SamplerOutput, sample
 from turnout.worker.step import RequestFaults, ScheduledRequest, SchedulerOutput
-from turnout.worker.step_sampling import CachedRequest, StepHandle, build_batch, lane_values, start_readback
+from turnout.worker.step_sampling import StepHandle
+from turnout.worker.token_drawer import TokenDrawer
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +72,18 @@ class ModelRunner:
         self.graphs = maybe_capture(self)  # None: every step runs eagerly
         # Sleep / wake and in-place weight updates of this rank (the RL control plane; collective_rpc reaches it)
         self.memory = RankMemory(self)
-        self.grammar_stage = None  # made by _grammar_stage() when a grammar lane first samples
         self._side_outputs: list = []  # per-request results of launched steps besides tokens (take_side_outputs)
         self.routing = RoutingRecorder(self.model)  # return_routed_experts (turnout/worker/routed_experts.py)
-        self.requests: dict[int, CachedRequest] = {}  # what this rank keeps of each request (worker/step.py)
-        self._last_draws = None  # (req ids, tokens on the device) of the last draw: a lookahead step's inputs
+        # what this rank keeps of each request, and its draws (worker/token_drawer.py)
+        self.drawer = TokenDrawer(ops, self.device, self.vocab_size, config.max_num_seqs, self._upload, self._download)
+
+    @property
+    def requests(self) -> dict:
+        """The requests this rank keeps (req_id -> worker/step_sampling.py CachedRequest)."""
+        return self.drawer.requests
+
+    def update_requests(self, step: SchedulerOutput) -> dict[int, BaseException]:
+        return self.drawer.update(step)
 
     @property
     def pdl(self) -> bool:
@@ -105,18 +112,6 @@ class ModelRunner:
         meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(dev, non_blocking=True) for f in
                                             ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")})
         return ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), meta
-
-    def update_requests(self, step: SchedulerOutput) -> dict[int, BaseException]:
-        """Forget the finished requests, keep the new ones; a new one that cannot be kept is a fault of its own."""
-        for rid in step.finished_req_ids:
-            self.requests.pop(rid, None)
-        faults = {}
-        for new in step.new_requests:
-            try:
-                self.requests[new.req_id] = CachedRequest.from_new(new, self.vocab_size)
-            except Exception as e:  # noqa: BLE001 - traced to this request: the engine sends the step again
-                faults[new.req_id] = e
-        return faults
 
     def prepare_host(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                                         list[int]]:
@@ -159,15 +154,6 @@ class ModelRunner:
         toks = [0] * s.num_tokens if s.token_ids is None else list(s.token_ids)
         return toks + list(s.draft_token_ids), [table[p // bs] * bs + p % bs for p in range(s.start, s.start + n)]
 
-    def _lookahead_inputs(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """A lookahead step's input tokens: this rank's last draws of those requests, still on the device."""
-        if self._last_draws is None:
-            raise RuntimeError("a lookahead step before any step drew tokens")
-        last_ids, tokens = self._last_draws
-        where = {rid: i for i, rid in enumerate(last_ids)}
-        order = [where[s.req_id] for s in scheduled]  # KeyError: the engine asked for a draw that never was
-        return tokens if order == list(range(len(last_ids))) else tokens.index_select(0, self._h2d(order, torch.long))
-
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepHandle | None:
         """Run one step; None where nothing draws. ``step.lookahead``: one token per entry, this rank's last
@@ -186,18 +172,18 @@ class ModelRunner:
             if self.step_publisher is not None:  # every rank holds its shard of the blocks
                 self.step_publisher.swap_in(list(step.swap_in))
             self._swap_gate = self.kv_transfer.swap_in(list(step.swap_in))
-        faults = self.update_requests(step)  # after the copies: a step sent again does not repeat them
+        faults = self.drawer.update(step)  # after the copies: a step sent again does not repeat them
         if faults:
             raise RequestFaults(faults)
         scheduled, lanes = step.scheduled, step.samples
         input_ids, positions, meta, sample_idx = self.prepare_host(scheduled)
-        input_tokens = self._lookahead_inputs(scheduled) if step.lookahead else None
+        input_tokens = self.drawer.lookahead_inputs(scheduled) if step.lookahead else None
         gate, self._swap_gate = self._swap_gate, None  # taken once the step is sure to run (no RequestFaults)
         # prompt_logprobs: the rows predicting a prompt token go through compute_logits with the sampled ones
-        prompt = prompt_rows(scheduled, self.requests) if not step.lookahead else None
+        prompt = prompt_rows(scheduled, self.drawer.requests) if not step.lookahead else None
         logit_idx, sample_at, prompt_at = merge_rows(sample_idx, prompt) if prompt else (sample_idx, None, None)
         want_logits = bool(lanes) or bool(prompt)
-        routed = self.routing.wanted(scheduled, self.requests) if self.routing.blocks else []
+        routed = self.routing.wanted(scheduled, self.drawer.requests) if self.routing.blocks else []
         if self.step_publisher is not None:  # the other ranks run the same forward (3: eagerly, as this one)
             self.step_publisher.step(input_ids, positions, meta, logit_idx, int(want_logits) | (2 * bool(routed and
                                      want_logits)), input_tokens)
@@ -233,71 +219,7 @@ class ModelRunner:
             logits = logits.index_select(0, self._h2d(sample_at, torch.long))
         # a deferred step's inputs too are built now, with its pending token counted, behind the forward:
         # they are what they would be once that token is appended
-        sampling = [s for s in scheduled if s.sample]
-        first_row = [0]
-        for s in sampling:
-            first_row.append(first_row[-1] + 1 + len(s.draft_token_ids))
-        batch, faults, drafts = self._sampling_inputs(lanes, sampling, first_row, step.want_logprobs,
-                                                      int(step.lookahead))
-        handle = StepHandle([smp.req_id for smp in lanes], drafts, faults,
-                            draw=lambda ended: self._draw(logits, batch, faults, ended),
-                            readback=self.start_readback)
-        return handle if step.defer_sample else handle.sample()
-
-    def _sampling_inputs(self, lanes, sampling, first_row, want_logprobs: int, pending: int):
-        """The sampler's rows: per lane, one for its entry's last token and one per draft of that entry.
-        A lane whose inputs cannot be built is left out and reported (req_id -> exception)."""
-        picked, vals, rows, row_lanes, faults, drafts = [], [], [], [], {}, []
-        for smp in lanes:
-            entry = sampling[smp.row] if 0 <= smp.row < len(sampling) else None
-            d = list(entry.draft_token_ids) if entry is not None and entry.req_id == smp.req_id else []
-            drafts.append(d)
-            try:
-                if entry is None:
-                    raise IndexError(f"sample row {smp.row} of {len(sampling)}")
-                req = self.requests[smp.req_id]
-                lane_vals = [lane_values(req, smp.num_output_tokens + j) for j in range(len(d) + 1)]
-            except Exception as e:  # noqa: BLE001 - traced to this lane's request: it fails alone
-                faults[smp.req_id] = e
-                continue
-            for j, v in enumerate(lane_vals):
-                vals.append(v)
-                rows.append(first_row[smp.row] + j)
-                row_lanes.append((len(picked), j))
-            picked.append((req, smp, d))
-        if not picked:
-            return None, faults, drafts
-
-        def build():
-            return build_batch(self._h2d, picked, vals, rows, row_lanes, want_logprobs, pending)
-
-        if self._upload is None:
-            return build(), faults, drafts
-        # queued behind the forward's own input copies, the sampling inputs' copies overlap the forward
-        main = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._upload):
-            batch = build()
-        main.wait_stream(self._upload)
-        for f in dataclasses.fields(batch):  # made on the side stream, read on this one
-            t = getattr(batch, f.name)
-            if isinstance(t, torch.Tensor):
-                t.record_stream(main)
-        return batch, faults, drafts
-
-    @torch.inference_mode()
-    def _draw(self, logits, batch, faults, ended=frozenset()):
-        """Sample a step's logits. ``ended``: requests of a deferred lookahead that ended since it was
-        launched: their grammar rows are dropped (their tokens are discarded; their states may be done)."""
-        if batch is None:  # every lane failed
-            return SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device), faults=dict(faults))
-        if ended and batch.grammars:
-            batch.grammars = [(i, g) for i, g in batch.grammars if batch.seq_ids[i] not in ended]
-        out = sample(self.ops, logits, batch, self._grammar_stage() if batch.grammars else None)
-        out.faults.update(faults)
-        # one row per request (no drafts): what a lookahead step reads as its inputs
-        ids = [rid for rid in batch.seq_ids if rid not in out.faults]
-        self._last_draws = (ids, out.tokens) if len(set(ids)) == len(ids) else None
-        return out
+        return self.drawer.launch(logits, step, [s for s in scheduled if s.sample])
 
     def take_side_outputs(self) -> list:
         """What the steps launched since the last call computed for particular requests besides their
@@ -320,17 +242,3 @@ class ModelRunner:
         if self.step_publisher is not None:
             self.step_publisher.swap_out(list(pairs))
         self.kv_transfer.swap_out(list(pairs))
-
-    def _grammar_stage(self):
-        """The structured-output mask stage (turnout/structured/mask.py), made at the first batch with a
-        grammar lane: pinned host rows for the logits' width and the largest batch, copied up once a step."""
-        if self.grammar_stage is None:
-            from turnout.structured.mask import BitmaskStage
-
-            self.grammar_stage = BitmaskStage(self.vocab_size, self.config.max_num_seqs, self.device)
-        return self.grammar_stage
-
-
-    def start_readback(self, result):
-        """The host copy of a step's draws (worker/step_sampling.py): (host SamplerOutput, event or None)."""
-        return start_readback(self.device, self._download, result)
