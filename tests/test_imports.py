@@ -85,6 +85,8 @@ RULES = {
         "ops", "layers", "models", "loader", "kv", "engine", "entrypoints", "executor", "worker"))),
     "executor imports no entrypoints": ((T + "executor",), (T + "entrypoints",)),
     "worker imports no executor or entrypoints": ((T + "worker",), (T + "executor", T + "entrypoints")),
+    # the rank meets the engine only through the step contract (worker/step.py), which it owns
+    "worker imports no engine": ((T + "worker",), (T + "engine",)),
     # the dispatch layer's promise: implementations are reached through the op table only
     "engine imports no implementation module": ((T + "engine",), (T + "ops.triton", T + "ops.vendors",
                                                                  T + "ops.reference")),

@@ -12,7 +12,7 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None
     # Sequences decoded at once. None: what the KV cache holds at max_model_len, in [256, 1024]
-    # (turnout/engine/concurrency.py), resolved once the cache is sized
+    # (turnout/worker/concurrency.py), resolved once the cache is sized
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     block_size: int = 16
@@ -26,6 +26,9 @@ class EngineConfig:
     # prefill split, prefix-cache hit): batch-invariant op implementations only (turnout/ops/batch_invariant.py)
     batch_invariant: bool = False
     enforce_eager: bool = False  # no CUDA graphs
+    # The most draft tokens one sequence verifies in a step (engine/drafts.py): decode CUDA graphs are captured
+    # for query lengths 1 .. 1 + this (worker/cuda_graphs.py); 0: one-token decode steps only
+    num_speculative_tokens: int = 0
     # Launch the next decode step before this one's tokens reach the host, so the host work of a step
     # (scheduling, metadata, detokenising) overlaps the device's work. None: on where the device runs
     # asynchronously to the host (GPUs), off on CPU (where it changes nothing but the order of work).
@@ -86,6 +89,9 @@ class EngineConfig:
         if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool) or not isinstance(
                 self.max_num_seqs, int) or self.max_num_seqs < 1):
             bad("max_num_seqs", f"must be an integer >= 1 or None (auto), got {self.max_num_seqs!r}")
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or not 0 <= self.num_speculative_tokens <= 16:
+            bad("num_speculative_tokens", f"must be an integer in [0, 16], got {self.num_speculative_tokens!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             bad("kv_cache_dtype", f"unknown KV cache dtype {self.kv_cache_dtype!r} (auto, fp8)")
         if self.max_num_batched_tokens < 1:

@@ -13,7 +13,8 @@ import logging
 import time
 
 from turnout.config import EngineConfig
-from turnout.engine.core import EngineCore, EngineStats
+from turnout.engine.core import EngineCore
+from turnout.engine.core_outputs import EngineStats
 from turnout.engine.input_processor import ContextLengthError, InputProcessor
 from turnout.engine.output_processor import OutputProcessor
 from turnout.engine.outputs import RequestOutput
@@ -79,7 +80,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or _display_name(config.model, loaded)
         self.runner = self.executor.runner  # rank 0's ModelRunner: the core drives it
         self.max_model_len = _context_limit(config.max_model_len, loaded, self.runner.cache_layout)
-        # max_num_seqs=None: the runner chose it when it sized the cache (turnout/engine/concurrency.py)
+        # max_num_seqs=None: the runner chose it when it sized the cache (turnout/worker/concurrency.py)
         self.config = config = dataclasses.replace(config, max_num_seqs=self.runner.max_num_seqs)
         xfer = self.runner.kv_transfer  # the KV tiers' host pools and preemption mode (worker/kv_transfer.py)
         layout = self.runner.cache_layout  # what the layers store (turnout/kv/spec.py): the window, the states
@@ -174,6 +175,8 @@ class LLMEngine:
                            generation_tokens_total=self.output_processor.generation_tokens_total,
                            prefix_cache_hit_tokens_total=s.num_prefix_cached_tokens,
                            lookahead_steps_total=self.core.num_lookahead_steps,
+                           draft_tokens_total=self.core.num_draft_tokens,
+                           accepted_draft_tokens_total=self.core.num_accepted_draft_tokens,
                            num_failed_requests_total=self.core.num_failed_requests,
                            **self._tier_stats())
 

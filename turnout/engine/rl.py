@@ -127,7 +127,7 @@ class RolloutControl:
         if self.weights_asleep:
             raise RuntimeError("update_weights: the weights are asleep (sleep() was called); "
                                "wake_up(tags=['weights']) first")
-        self.engine.runner.memory.check_weights(items)  # rank 0, in this process: raises before any rank writes
+        self.engine.executor.driver_rpc("check_weights", items)  # rank 0, in this process: raises before any rank writes
         written = self._rpc(rank_memory.update_weights_rank, items)[0]
         self.reset_prefix_cache()
         return written
@@ -147,7 +147,7 @@ class RolloutControl:
             files = safetensors_files(path)
         except ValueError as e:  # the directory holds no checkpoint
             raise ValueError(f"path: {e}") from None
-        self.engine.runner.memory.check_weights(rank_memory.checkpoint_headers(files))
+        self.engine.executor.driver_rpc("check_weights", rank_memory.checkpoint_headers(files))
         written = self._rpc(rank_memory.update_weights_from_disk_rank, [str(f) for f in files])[0]
         self.reset_prefix_cache()
         return written
@@ -175,7 +175,7 @@ class RolloutControl:
         if self.weights_asleep:
             raise RuntimeError("update_weights_from_distributed: the weights are asleep (sleep() was called); "
                                "wake_up(tags=['weights']) first")
-        self.engine.runner.memory.check_weights(meta_weights(names, dtypes, shapes))
+        self.engine.executor.driver_rpc("check_weights", meta_weights(names, dtypes, shapes))
         written = self._rpc(rank_memory.update_weights_from_distributed_rank, list(names),
                             [str(d) for d in dtypes], [tuple(int(x) for x in s) for s in shapes])[0]
         self.reset_prefix_cache()
@@ -196,7 +196,7 @@ class RolloutControl:
             raise ValueError(f"buckets: one per engine rank ({n}), got {len(buckets)}")
         for b in buckets:
             check_bucket(b)
-            self.engine.runner.memory.check_weights(meta_weights(b.names, b.dtypes, b.shapes))
+            self.engine.executor.driver_rpc("check_weights", meta_weights(b.names, b.dtypes, b.shapes))
         written = self._rpc(rank_memory.update_weights_from_ipc_rank, buckets)[0]
         self.reset_prefix_cache()
         return written

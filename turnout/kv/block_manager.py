@@ -324,6 +324,16 @@ class BlockManager:
             table.append(self._take_free())
         return copies
 
+    def trim(self, seq: KVSequence, num_tokens: int) -> int:
+        """Give back the tail blocks beyond the first ``num_tokens`` tokens (slots reserved for draft tokens
+        a multi-token step rejected). Returns how many."""
+        keep = self.blocks_for(num_tokens)
+        tail = seq.block_table[keep:]
+        for block_id in reversed(tail):
+            self._unref(block_id)
+        del seq.block_table[keep:]
+        return len(tail)
+
     def fork(self, parent: KVSequence, child: KVSequence) -> None:
         """``child`` shares every block of ``parent`` (its block table is already a copy)."""
         assert child.block_table == parent.block_table

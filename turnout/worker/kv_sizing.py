@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from turnout.engine.concurrency import profile_rows
 from turnout.kv.spec import CacheLayout
+from turnout.worker.concurrency import profile_rows
 from turnout.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)

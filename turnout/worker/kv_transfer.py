@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from turnout.engine.scheduler import Preemption
+from turnout.kv.preemption import Preemption
 from turnout.layers.attention import AttentionMetadata
 from turnout.ops import OpFailedError
 from turnout.worker.kv_sizing import allocate_caches, block_caches, state_caches

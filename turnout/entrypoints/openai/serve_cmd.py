@@ -17,7 +17,7 @@ import logging
 import signal
 
 from turnout import envs
-from turnout.engine.concurrency import MAX_DEFAULT_SEQS
+from turnout.worker.concurrency import MAX_DEFAULT_SEQS
 from turnout.entrypoints.engine_args import (add_kv_tier_and_parallel_args, add_multinode_args, add_quantization_arg,
                                             multinode_kwargs)
 
