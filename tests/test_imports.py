@@ -62,7 +62,7 @@ def _violations(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> list[st
 T = "turnout."
 # the scheduler's side of kv/ (blocks, tiers, slots); kv/spec.py, the specs a layer declares, imports nothing of
 # turnout and sits below the layers, which import it
-KV_SIDE = tuple(T + "kv." + m for m in ("block_manager", "tiers", "state_slots", "stats"))
+KV_SIDE = tuple(T + "kv." + m for m in ("block_manager", "block_pool", "block_swap", "tiers", "state_slots", "stats"))
 RULES = {
     "kv.spec imports nothing of turnout": ((T + "kv.spec",), ("turnout",)),
     # the layers, bottom up: nothing imports a layer above it
