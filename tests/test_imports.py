@@ -60,7 +60,11 @@ def _violations(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> list[st
 
 
 T = "turnout."
+# the scheduler's side of kv/ (blocks, tiers, slots); kv/spec.py, the specs a layer declares, imports nothing of
+# turnout and sits below the layers, which import it
+KV_SIDE = tuple(T + "kv." + m for m in ("block_manager", "block_pool", "block_swap", "tiers", "state_slots", "stats"))
 RULES = {
+    "kv.spec imports nothing of turnout": ((T + "kv.spec",), ("turnout",)),
     # the layers, bottom up: nothing imports a layer above it
     "envs imports nothing of turnout": ((T + "envs",), ("turnout",)),
     "platforms import no layer above": ((T + "platforms",), tuple(T + p for p in (
@@ -68,10 +72,10 @@ RULES = {
     "ops import no layer above": ((T + "ops",), tuple(T + p for p in (
         "layers", "models", "loader", "kv", "engine", "entrypoints"))),
     "layers import no models, loader or engine": ((T + "layers", T + "quant"), tuple(T + p for p in (
-        "models", "loader", "kv", "engine", "entrypoints"))),
+        "models", "loader", "engine", "entrypoints")) + KV_SIDE),
     "models import no loader or engine": ((T + "models",), tuple(T + p for p in (
-        "loader", "kv", "engine", "entrypoints"))),
-    "loader imports no engine": ((T + "loader",), (T + "engine", T + "entrypoints", T + "kv")),
+        "loader", "engine", "entrypoints")) + KV_SIDE),
+    "loader imports no engine": ((T + "loader",), (T + "engine", T + "entrypoints") + KV_SIDE),
     "kv imports no engine": ((T + "kv",), (T + "engine", T + "entrypoints", T + "models", T + "layers")),
     "engine imports no entrypoints": ((T + "engine",), (T + "entrypoints",)),
     # adapters to other projects (turnout/integrations: verl) sit on the engine, beside the entrypoints
@@ -81,6 +85,8 @@ RULES = {
         "ops", "layers", "models", "loader", "kv", "engine", "entrypoints", "executor", "worker"))),
     "executor imports no entrypoints": ((T + "executor",), (T + "entrypoints",)),
     "worker imports no executor or entrypoints": ((T + "worker",), (T + "executor", T + "entrypoints")),
+    # the rank meets the engine only through the step contract (worker/step.py), which it owns
+    "worker imports no engine": ((T + "worker",), (T + "engine",)),
     # the dispatch layer's promise: implementations are reached through the op table only
     "engine imports no implementation module": ((T + "engine",), (T + "ops.triton", T + "ops.vendors",
                                                                  T + "ops.reference")),

@@ -57,6 +57,9 @@ class EngineConfig:
         "chunked prefill, prefix-cache hits): batch-invariant kernels only (turnout/ops/batch_invariant.py); "
         "slower")
     enforce_eager: bool = option(False, "no CUDA graphs")
+    num_speculative_tokens: int = option(
+        0, "the most draft tokens one sequence verifies in a step (turnout/engine/drafts.py): decode CUDA graphs "
+        "are captured for query lengths 1 .. 1 + this (0: one-token decode steps only)")
     # None: on where the device runs asynchronously to the host (GPUs); on CPU it would change nothing but the
     # order of work.
     async_scheduling: bool | None = option(
@@ -128,6 +131,9 @@ class EngineConfig:
         if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool) or not isinstance(
                 self.max_num_seqs, int) or self.max_num_seqs < 1):
             bad("max_num_seqs", f"must be an integer >= 1 or None (auto), got {self.max_num_seqs!r}")
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or not 0 <= self.num_speculative_tokens <= 16:
+            bad("num_speculative_tokens", f"must be an integer in [0, 16], got {self.num_speculative_tokens!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             bad("kv_cache_dtype", f"unknown KV cache dtype {self.kv_cache_dtype!r} (auto, fp8)")
         if self.max_num_batched_tokens < 1:

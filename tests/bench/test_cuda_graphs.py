@@ -61,15 +61,16 @@ class _FakeModel:
 class _EagerReplay:
     """Stands in for a captured graph: replay runs the captured function eagerly on the static buffers."""
 
-    def __init__(self, graphs, b):
-        self.graphs, self.b = graphs, b
+    def __init__(self, graphs, b, q=1):
+        self.graphs, self.b, self.q = graphs, b, q
 
     def replay(self):
-        self.graphs._forward(self.b)
+        self.graphs._forward(self.b, self.q)
 
 
 def _fake_graphs(dg):
     dg.graphs = {b: _EagerReplay(dg, b) for b in dg.buckets}
+    dg.multi = {(b, q): _EagerReplay(dg, b, q) for q, sizes in dg.multi_buckets.items() for b in sizes}
     return dg
 
 
@@ -184,6 +185,96 @@ def test_runner_graph_path_matches_eager_cpu(tmp_path):
     graphed = _generate(llm, PROMPTS, MAX_TOKENS)
     assert dg.num_replays >= max(MAX_TOKENS) - 1 - 1
     assert graphed == eager
+
+
+class _Known:
+    """A test draft proposer (engine/drafts.py): the next ``k`` tokens of a known continuation per request,
+    the one at ``wrong_at`` made wrong."""
+
+    def __init__(self, cont, k, wrong_at=None):
+        self.cont, self.k, self.wrong_at = cont, k, wrong_at
+
+    def propose(self, seqs):
+        out = {}
+        for seq in seqs:
+            d = list(self.cont[seq.request_id][seq.num_output_tokens:seq.num_output_tokens + self.k])
+            if self.wrong_at is not None and self.wrong_at < len(d):
+                d[self.wrong_at] = (d[self.wrong_at] + 1) % TINY["vocab_size"]
+            out[seq.seq_id] = d
+        return out
+
+
+def _generate_drafted(engine, proposer, logprobs=None):
+    """Greedy tokens (and top logprobs) of PROMPTS with ``proposer`` on the engine core."""
+    from turnout.engine.sampling_params import SamplingParams
+
+    engine.core.proposer = proposer
+    try:
+        for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
+            engine.add_request(f"d{i}", p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
+                                                          logprobs=logprobs))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+    finally:
+        engine.core.proposer = None
+    return [done[f"d{i}"] for i in range(len(PROMPTS))]
+
+
+def _check_drafted_against(engine, want, atol):
+    """Right, partly right and wrong drafts of 1..4 tokens give ``want`` (outputs of the eager one-token path)."""
+    cont = {f"d{i}": c.token_ids for i, c in enumerate(want)}
+    for k in (1, 2, 3, 4):
+        for wrong_at in (None, 0):
+            got = _generate_drafted(engine, _Known(cont, k, wrong_at), logprobs=3)
+            assert [c.token_ids for c in got] == [c.token_ids for c in want], (k, wrong_at)
+            for cg, cw in zip(got, want):  # every position's distribution: the one-token steps'
+                for eg, ew in zip(cg.logprobs, cw.logprobs):
+                    assert list(eg) == list(ew)
+                    assert all(abs(eg[t].logprob - ew[t].logprob) <= atol for t in eg)
+
+
+def test_runner_multi_token_graph_path_matches_eager_cpu(tmp_path):
+    """The (batch, query length) graphs with the wrapper on (replay = eager on the static buffers): drafts of
+    1..4 tokens, right or wrong, give the eager one-token path's tokens and logprobs: token rows, sequence
+    rows, padding sequences of q tokens and the per-q query starts are right."""
+    llm = _llm(_tiny_dir(tmp_path), load_format="dummy", dtype="float32", device="cpu", max_model_len=64,
+              max_num_seqs=32, kv_cache_memory=1 << 22, block_size=4, enable_prefix_caching=False,
+              async_scheduling=False)
+    runner, engine = llm.engine.runner, llm.engine
+    _spread_weights(runner.model)
+    want = _generate_drafted(engine, None, logprobs=3)
+    dg = _fake_graphs(DecodeGraphs(runner.model, runner.kv_caches, 32, runner.max_model_len, runner.block_size,
+                                   runner.device, max_query_len=5))
+    assert sorted(dg.multi_buckets) == [2, 3, 4, 5] and dg.multi_buckets[5] == [1, 2, 4]
+    with torch.inference_mode():
+        dg._forward(32)  # what capture's warm-up does first: makes the shared logits buffer
+    runner.graphs = dg
+    _check_drafted_against(engine, want, atol=1e-5)
+    assert dg.num_multi_token_replays > 20
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_multi_token_decode_matches_eager(tmp_path):
+    """Captured (batch, query length) graphs for 1..1 + 4 tokens: drafts of 1..4 tokens, right or wrong, give
+    the tokens of the eager one-token path and its logprobs within float rounding."""
+    from turnout.config import EngineConfig
+    from turnout.engine.llm_engine import LLMEngine
+    from turnout.entrypoints.bench_cmd import NullTokenizer
+
+    engine = LLMEngine(EngineConfig(model=_tiny_dir(tmp_path), tokenizer=NullTokenizer(), load_format="dummy",
+                                    dtype="float32", device="auto", max_model_len=64, max_num_seqs=32,
+                                    kv_cache_memory=1 << 24, block_size=16, enable_prefix_caching=False,
+                                    num_speculative_tokens=4))
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.enabled, getattr(graphs, "disabled_reason", None)
+    assert {q for _, q in graphs.multi} == {2, 3, 4, 5}, "multi-token capture failed (see the log)"
+    _spread_weights(engine.runner.model)
+    engine.runner.graphs = None
+    want = _generate_drafted(engine, None, logprobs=3)  # eager, one token a step
+    engine.runner.graphs = graphs
+    _check_drafted_against(engine, want, atol=1e-4)
+    assert graphs.num_multi_token_replays > 20
 
 
 @pytest.mark.gpu

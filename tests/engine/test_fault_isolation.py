@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from turnout import LLM, SamplingParams  # noqa: E402
+from turnout.worker import step_sampling  # noqa: E402
 
 VOCAB = 96
 
@@ -101,10 +102,10 @@ def test_fault_in_step_inputs(llm, monkeypatch):
     real = runner._entry_inputs
     boom = _fail_on_call(4, "inputs")
 
-    def entry_inputs(s, pending):
-        if s.seq.request_id == BAD:
+    def entry_inputs(s):
+        if runner.requests[s.req_id].request_id == BAD:
             boom()
-        return real(s, pending)
+        return real(s)
 
     monkeypatch.setattr(runner, "_entry_inputs", entry_inputs)
     reqs = _requests()
@@ -115,15 +116,15 @@ def test_fault_in_step_inputs(llm, monkeypatch):
 
 def test_fault_in_sampling_inputs(llm, monkeypatch):
     runner = llm.engine.runner
-    real = runner._lane_values
+    real = step_sampling.lane_values
     boom = _fail_on_call(5, "sampling")
 
-    def lane_values(seq, eos_ids, pending):
-        if seq.request_id == BAD:
+    def lane_values(req, step):
+        if req.request_id == BAD:
             boom()
-        return real(seq, eos_ids, pending)
+        return real(req, step)
 
-    monkeypatch.setattr(runner, "_lane_values", lane_values)
+    monkeypatch.setattr(step_sampling, "lane_values", lane_values)
     reqs = _requests()
     done = _run(llm.engine, reqs)
     monkeypatch.undo()
@@ -221,10 +222,10 @@ def test_fault_in_output_processing(llm, monkeypatch):
     real = op._emit
     boom = _fail_on_call(6, "output")
 
-    def emit(state, st):
+    def emit(state, st, i):
         if state.request.request_id == BAD:
             boom()
-        return real(state, st)
+        return real(state, st, i)
 
     monkeypatch.setattr(op, "_emit", emit)
     reqs = _requests()

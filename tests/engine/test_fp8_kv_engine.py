@@ -130,7 +130,7 @@ def test_bad_value_names_the_field():
 
 
 def test_default_max_num_seqs():
-    from turnout.engine.concurrency import default_max_num_seqs
+    from turnout.worker.concurrency import default_max_num_seqs
 
     # the run: 512 sequences of 1536 tokens held -> 512; fewer held -> at least 256; many -> 1024
     assert default_max_num_seqs(512 * 96, 16, 1536) == 512

@@ -135,7 +135,7 @@ def test_reviving_a_cached_free_block_counts_against_free_blocks():
 
 
 def test_hash_collision_is_not_a_hit(monkeypatch):
-    import turnout.kv.block_manager as mod
+    import turnout.kv.block_pool as mod  # where the chain is hashed
 
     monkeypatch.setattr(mod, "block_hash", lambda parent, tokens: 42)  # every block collides
     bm = BlockManager(8, BS)

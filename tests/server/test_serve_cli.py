@@ -68,7 +68,7 @@ def test_boolean_flags_have_both_forms(flag, field, default):
 def test_engine_limits_reach_the_config():
     c = serve_cmd.build_config(_args("--max-tokens-per-request", "5000", "--fair-share-seqs", "4"))
     assert c.max_tokens_per_request == 5000 and c.fair_share_seqs == 4
-    assert serve_cmd.build_config(_args()).max_num_seqs is None  # what the cache holds (engine/concurrency.py)
+    assert serve_cmd.build_config(_args()).max_num_seqs is None  # what the cache holds (worker/concurrency.py)
     assert serve_cmd.build_config(_args("--max-num-seqs", "12")).max_num_seqs == 12
     c = serve_cmd.build_config(_args("--fair-share-seqs", "0"))
     assert c.max_tokens_per_request is None and c.fair_share_seqs is None

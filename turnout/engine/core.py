@@ -1,11 +1,12 @@
 """The engine core: schedule -> execute -> update, one step at a time, with the lookahead protocol of
 async scheduling (docs/architecture.md). It owns the scheduler and drives the model runner through a
-narrow interface (``ModelExecutor``), never touching a tensor's values: a multi-process executor can
-take the runner's place.
+narrow interface (``ModelExecutor``): each step goes to the rank as the typed contract of worker/step.py
+(engine/step_inputs.py builds it) and its draws come back as lists of token ids per request; the core never
+touches a tensor or the runner's internals.
 
-Fault isolation: a step stage that can trace an exception to a sequence (building its inputs, its
-sampling inputs, its logits processors, its grammar mask) reports it (``SequenceFaults`` before the
-forward, ``SamplerOutput.faults`` after it). The core fails that sequence's request only
+Fault isolation: a step stage that can trace an exception to a request (building its inputs, its
+sampling inputs, its logits processors, its grammar mask) reports it (``RequestFaults`` before the
+forward, ``StepHandle.faults`` after it). The core fails that sequence's request only
 (``SequenceStatus.FINISHED_ERROR``; the output processor reports ``finish_reason == "error"``), rebuilds
 the step without it and goes on. Anything else raised by the runner (the forward, the sampler over the
 whole batch, a device error) cannot be attributed and propagates: the engine is dead.
@@ -14,90 +15,48 @@ whole batch, a device error) cannot be attributed and propagates: the engine is 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-from turnout.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from turnout.engine.sequence import Sequence, SequenceFaults, SequenceStatus
+from turnout.engine.core_outputs import CoreOutput, SampledToken
+from turnout.engine.drafts import DraftProposer, draftable
+from turnout.engine.scheduler import Scheduler, SchedulerOutput
+from turnout.engine.sequence import Sequence, SequenceStatus
+from turnout.engine.step_inputs import StepInputs
+from turnout.worker.step import RequestFaults
 
 if TYPE_CHECKING:
-    import torch
-
-    from turnout.layers.sampler import SamplerOutput
+    from turnout.worker.step import SchedulerOutput as StepContract
+    from turnout.worker.step_sampling import StepHandle
 
 logger = logging.getLogger(__name__)
 
 
 class ModelExecutor(Protocol):
-    """What the core needs of whatever runs the model (today the in-process ModelRunner)."""
+    """What the core needs of whatever runs the model (the driver rank's ModelRunner): one step of the
+    contract (worker/step.py) in, a handle on its draws out (None where nothing draws)."""
 
     vocab_size: int
     num_blocks: int
 
-    def execute(self, scheduled: list[ScheduledSeq], lanes: list[Sequence], lane_rows: list[int],
-                eos_ids: set[int], want_logprobs: int = -1, copy_on_write=(),
-                input_tokens: torch.Tensor | None = None, defer_sample: bool = False
-                ) -> SamplerOutput | Callable[[], SamplerOutput] | None: ...
+    def execute(self, step: StepContract) -> StepHandle | None: ...
 
-    def start_readback(self, result: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]: ...
+    def swap_out(self, pairs) -> None: ...
 
+    def flush_swaps(self) -> None: ...
 
-@dataclass
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions_total: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    prefix_cache_hit_tokens_total: int = 0
-    lookahead_steps_total: int = 0  # decode steps launched before the last one's tokens were read back
-    num_failed_requests_total: int = 0  # requests failed by a fault traced to them (the engine went on)
-    # KV tiers (worker/kv_transfer.py, kv/tiers.py)
-    num_swapped: int = 0  # sequences waiting in host memory to be swapped back in
-    swap_preemptions_total: int = 0
-    recompute_preemptions_total: int = 0
-    swap_pool_full_total: int = 0  # swap chosen, the host pool full: recomputed instead
-    swapped_out_blocks_total: int = 0
-    swapped_in_blocks_total: int = 0
-    host_tier_hit_tokens_total: int = 0  # prefix hits loaded back from host memory (in prefix_cache_hit_tokens_total)
-    host_tier_offloaded_blocks_total: int = 0
-    host_tier_used_blocks: int = 0
-
-
-@dataclass
-class SampledToken:
-    """One sequence's new token, appended to it already, with its logprobs where asked."""
-
-    seq: Sequence
-    token: int
-    logprob: float | None = None
-    rank: int | None = None
-    top: list[tuple[int, float]] = field(default_factory=list)  # the top-N (token, logprob), best first
-
-
-@dataclass
-class CoreOutput:
-    sampled: list[SampledToken] = field(default_factory=list)
-    forked: list[Sequence] = field(default_factory=list)  # new samples of n > 1 requests, before their tokens
-    failed: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message) failed by a fault
-    scheduled_request_ids: set[str] = field(default_factory=set)  # requests that computed in a launched step
-    # per-request results besides tokens (prompt logprob chunks, routed experts), each with ``request_id``
-    side_outputs: list = field(default_factory=list)
+    def take_side_outputs(self) -> list: ...
 
 
 @dataclass
 class _Step:
-    """A launched step: what was scheduled, the sequences that draw a token (in row order), the
-    sampler's output on the device, and its copy on the host with the event that says it landed."""
+    """A launched step: what was scheduled, the sequences that draw (in lane order), and the rank's
+    handle on the draws (deferred: the forward runs, its draw waits for the grammars)."""
 
     out: SchedulerOutput
     lanes: list[Sequence]
-    result: SamplerOutput | None
-    host: SamplerOutput | None
-    ready: torch.cuda.Event | None = None
+    handle: StepHandle
     complete: bool = True  # every sampling entry of ``out`` has its row (no lane was dropped by a fault)
-    sample_later: Callable[[], SamplerOutput] | None = None  # a forward whose sampling waits (grammar lanes)
 
 
 def _message(stage: str, e: BaseException) -> str:
@@ -112,6 +71,10 @@ class EngineCore:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
+        self.inputs = StepInputs(eos_ids)  # the step contract, and which requests the rank keeps
+        self.proposer: DraftProposer | None = None  # drafts for multi-token steps (engine/drafts.py)
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
         self._inflight: _Step | None = None  # a launched lookahead step, read back by the next step()
         self._pending = CoreOutput()  # forks and failures since the last step() returned
         self.num_lookahead_steps = 0
@@ -124,11 +87,13 @@ class EngineCore:
         self.scheduler.add(seq)  # ValueError if it can never fit
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        self.inputs.forget(self.scheduler.abort(request_id))
 
     def fail(self, request_id: str, message: str) -> None:
         """End every sequence of a request with an error; the output processor is told by step()."""
-        if self.scheduler.abort(request_id, SequenceStatus.FINISHED_ERROR):
+        seqs = self.scheduler.abort(request_id, SequenceStatus.FINISHED_ERROR)
+        if seqs:
+            self.inputs.forget(seqs)
             logger.error("request %r failed: %s", request_id, message)
             self.num_failed_requests += 1
             self._pending.failed.append((request_id, message))
@@ -149,7 +114,7 @@ class EngineCore:
         step = self._inflight
         self._inflight = None
         if step is None:
-            out = self.scheduler.schedule()
+            out = self.scheduler.schedule(self._propose())
             if out.swap_out:  # device -> host first: they read the blocks before this step can write them
                 self.runner.swap_out(out.swap_out)
             step = self._launch(out) if out.scheduled else None
@@ -159,13 +124,20 @@ class EngineCore:
                 self._inflight = self._launch_lookahead(step)
             sampled = self._read(step)
             nxt = self._inflight
-            if nxt is not None and nxt.sample_later is not None:
+            if nxt is not None and nxt.handle.deferred:
                 # the grammars have accepted this step's tokens: fill the masks and sample the lookahead,
                 # whose forward the device has been running meanwhile
-                self._inflight = self._started(nxt.out, nxt.lanes, nxt.sample_later())
+                ended = {s.seq_id for s in nxt.lanes if s.status.is_finished}
+                self._inflight = self._started(nxt.out, nxt.lanes, nxt.handle.sample(ended))
         result, self._pending = self._pending, CoreOutput()
         result.sampled = sampled
         return result
+
+    def _propose(self) -> dict[int, list[int]] | None:
+        if self.proposer is None:
+            return None
+        seqs = [s for s in self.scheduler.running if draftable(s)]
+        return self.proposer.propose(seqs) if seqs else None
 
     def update(self, ended: list[tuple[Sequence, SequenceStatus]], failed: list[str]) -> None:
         """After output processing: end the sequences that stopped and the requests that failed there;
@@ -173,8 +145,11 @@ class EngineCore:
         known (prefix-cache hashes need them). Drop the lookahead if all its sequences ended."""
         for seq, status in ended:
             self.scheduler.finish(seq, status)
+        self.inputs.forget(seq for seq, _ in ended)
         for rid in failed:
-            if self.scheduler.abort(rid, SequenceStatus.FINISHED_ERROR):
+            seqs = self.scheduler.abort(rid, SequenceStatus.FINISHED_ERROR)
+            if seqs:
+                self.inputs.forget(seqs)
                 self.num_failed_requests += 1
         nxt = self._inflight
         if nxt is not None:
@@ -197,21 +172,19 @@ class EngineCore:
     def _launch(self, out: SchedulerOutput) -> _Step | None:
         """Account for a scheduled step and launch its forward and sampling (no sync). A fault traced to
         a sequence before the forward fails its request, and the step is rebuilt without it."""
-        cow, swap_in = out.copy_on_write, out.swap_in
+        had_swap_in = bool(out.swap_in)
         while True:
             lanes, rows = self._lanes(out)
-            want = max((s.params.logprobs for s in lanes if s.params.logprobs is not None), default=-1)
             try:
-                result = self.runner.execute(out.scheduled, lanes, rows, self.eos_ids, want, cow,
-                                             **({"swap_in": swap_in} if swap_in else {}))
+                handle = self.runner.execute(self.inputs.build(out, lanes, rows))
                 break
-            except SequenceFaults as f:
+            except RequestFaults as f:
                 self._fail_faults(f.faults, [s.seq for s in out.scheduled] + [c for _, c in out.forks],
                                   "step inputs")
                 out = _without_finished(out)
-                cow = swap_in = ()  # done (or queued) before the inputs were built
+                out.copy_on_write, out.swap_in = [], []  # done (or queued) before the inputs were built
                 if not out.scheduled:
-                    if out.swap_in:
+                    if had_swap_in:
                         self.runner.flush_swaps()
                     return None
         self._pending.side_outputs.extend(self.runner.take_side_outputs())
@@ -221,26 +194,27 @@ class EngineCore:
                 self.prompt_tokens_total += min(s.num_tokens, s.seq.num_prompt_tokens - s.start)
         self._pending.forked.extend(c for _, c in out.forks if not c.status.is_finished)
         self.scheduler.postprocess(out)
-        if result is None:  # prefill chunks only: nothing sampled
+        if handle is None:  # prefill chunks only: nothing sampled
             return None
-        return self._started(out, lanes, result)
+        return self._started(out, lanes, handle)
 
-    def _started(self, out: SchedulerOutput, lanes: list[Sequence], result: SamplerOutput) -> _Step:
-        complete = not result.faults
+    def _started(self, out: SchedulerOutput, lanes: list[Sequence], handle: StepHandle) -> _Step:
+        complete = not handle.faults
         if not complete:
-            self._fail_faults(result.faults, lanes, "sampling")
-            lanes = [s for s in lanes if s.seq_id not in result.faults]  # the rows the sampler kept
-        return _Step(out, lanes, result, *self.runner.start_readback(result), complete=complete)
+            self._fail_faults(handle.faults, lanes, "sampling")
+            lanes = [s for s in lanes if s.seq_id not in handle.faults]  # the rows the sampler kept
+        return _Step(out, lanes, handle, complete=complete)
 
     def _launch_lookahead(self, prev: _Step) -> _Step | None:
         """Launch the decode step after ``prev`` with ``prev``'s tokens, still on the device, as its
         inputs; None where that step is not certain to be the next one (see Scheduler.schedule_lookahead)
         or a request needs its tokens on the host first (penalties, logits processors, a grammar) or is
-        about to end by length. A request that ends on a stop token or string at ``prev`` wastes one
-        token of work, discarded. With a grammar lane only the forward is launched: its sampling waits
-        until ``prev``'s tokens are read and accepted (``_Step.sample_later``), since each lane's mask
-        depends on its last token."""
-        if not prev.complete:
+        about to end by length, or ``prev`` verified drafts (how many tokens each sequence keeps is known
+        on the host only). A request that ends on a stop token or string at ``prev`` wastes one token of
+        work, discarded. With a grammar lane only the forward is launched: its sampling waits until
+        ``prev``'s tokens are read and accepted (``StepHandle.sample``), since each lane's mask depends on
+        its last token."""
+        if not prev.complete or prev.handle.deferred or self.proposer is not None:
             return None
         for seq in prev.lanes:
             p = seq.params
@@ -253,64 +227,63 @@ class EngineCore:
             return None
         if out.swap_out:  # evictions to the host tier (a lookahead never swaps in)
             self.runner.swap_out(out.swap_out)
-        lanes = [s.seq for s in out.scheduled]  # prev's lanes, in prev's order: row i = prev's token i
-        want = max((s.params.logprobs for s in lanes if s.params.logprobs is not None), default=-1)
+        lanes = [s.seq for s in out.scheduled]  # prev's lanes, in prev's order
         defer = any(seq.grammar is not None for seq in lanes)
         try:
-            result = self.runner.execute(out.scheduled, lanes, list(range(len(lanes))), self.eos_ids, want,
-                                         out.copy_on_write, input_tokens=prev.result.tokens,
-                                         **({"defer_sample": True} if defer else {}))
-        except SequenceFaults as f:
+            handle = self.runner.execute(self.inputs.build(out, lanes, list(range(len(lanes))), lookahead=True,
+                                                           defer_sample=defer))
+        except RequestFaults as f:
             # the block copies ran before the inputs were built; the next schedule() takes it from here
             self._fail_faults(f.faults, lanes, "step inputs")
             return None
         self.num_lookahead_steps += 1
         if defer:
             self.num_grammar_lookahead_steps += 1
-            return _Step(out, lanes, None, None, sample_later=result)
-        return self._started(out, lanes, result)
+            return _Step(out, lanes, handle)
+        return self._started(out, lanes, handle)
 
     def _read(self, step: _Step) -> list[SampledToken]:
         """Wait for the step's tokens on the host (the one sync) and append them to their sequences."""
-        if step.ready is not None:
-            step.ready.synchronize()  # this step's copy only, not the lookahead queued behind it
-        result = step.host
-        tokens = result.tokens.tolist()
-        lps = ranks = top_ids = top_lps = None
-        if result.logprobs is not None:
-            lps, ranks = result.logprobs.tolist(), result.ranks.tolist()
-            if result.top_ids is not None:
-                top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+        got = step.handle.output()
+        at = {rid: i for i, rid in enumerate(got.req_ids)}
+        live = [(seq, at[seq.seq_id]) for seq in step.lanes if seq.seq_id in at and not seq.status.is_finished]
+        accepted = _accept_grammar_tokens([(seq, got.token_ids[i][0]) for seq, i in live if seq.grammar is not None])
         sampled = []
-        accepted = _accept_grammar_tokens(step.lanes, tokens)
-        for lane, (seq, tok) in enumerate(zip(step.lanes, tokens)):
-            if seq.status.is_finished:  # aborted or failed, or ended while a lookahead ran
+        for seq, i in live:
+            if seq.status.is_finished:  # failed by the grammar of another sample of its request
                 continue
+            tokens = got.token_ids[i]
             if seq.grammar is not None:
-                ok = accepted[lane]
+                ok = accepted[seq.seq_id]
                 if ok is not True:  # its grammar is the request's own: it fails alone
-                    e = ok if isinstance(ok, BaseException) else ValueError(f"token {tok} is not allowed by the grammar")
+                    e = ok if isinstance(ok, BaseException) else ValueError(
+                        f"token {tokens[0]} is not allowed by the grammar")
                     self.fail(seq.request_id, _message("grammar", e))
                     continue
-            seq.append_token(tok)
-            st = SampledToken(seq, tok)
-            if lps is not None and seq.params.logprobs is not None:
-                st.logprob, st.rank = lps[lane], ranks[lane]
-                if top_ids is not None:
-                    st.top = list(zip(top_ids[lane], top_lps[lane]))
+            for tok in tokens:
+                seq.append_token(tok)
+            st = SampledToken(seq, tokens)
+            if got.logprobs is not None and seq.params.logprobs is not None:
+                st.logprobs, st.ranks, st.top = got.logprobs[i], got.ranks[i], got.top[i]
             sampled.append(st)
+        for entry in step.out.scheduled:  # a multi-token step: the KV of the kept drafts is valid
+            if entry.draft_token_ids:
+                i = at.get(entry.seq.seq_id)
+                kept = 0 if i is None else len(got.token_ids[i]) - 1
+                self.num_draft_tokens += len(entry.draft_token_ids)
+                self.num_accepted_draft_tokens += kept
+                self.scheduler.accept_drafts(entry, kept)
         return sampled
 
 
-def _accept_grammar_tokens(lanes: list[Sequence], tokens: list[int]) -> dict:
-    """lane -> True, False (refused) or the exception, for the live lanes with a grammar: one batch call
-    (turnout/structured/matcher.py accept_batch)."""
-    idx = [i for i, seq in enumerate(lanes) if seq.grammar is not None and not seq.status.is_finished]
-    if not idx:
+def _accept_grammar_tokens(lanes: list[tuple[Sequence, int]]) -> dict:
+    """seq_id -> True, False (refused) or the exception, for each (sequence with a grammar, its token): one
+    batch call (turnout/structured/matcher.py accept_batch)."""
+    if not lanes:
         return {}
     from turnout.structured.matcher import accept_batch
 
-    return dict(zip(idx, accept_batch([(lanes[i].grammar, tokens[i]) for i in idx])))
+    return dict(zip((seq.seq_id for seq, _ in lanes), accept_batch([(seq.grammar, tok) for seq, tok in lanes])))
 
 
 def _without_finished(out: SchedulerOutput) -> SchedulerOutput:

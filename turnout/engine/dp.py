@@ -24,7 +24,7 @@ import weakref
 from collections import OrderedDict
 
 from turnout.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineDraining
-from turnout.engine.core import EngineStats
+from turnout.engine.core_outputs import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import os
 import pickle
 import traceback
 
-from turnout.engine.core import EngineStats
+from turnout.engine.core_outputs import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ import logging
 import time
 
 from turnout.config import EngineConfig
-from turnout.engine.core import EngineCore, EngineStats
+from turnout.engine.core import EngineCore
+from turnout.engine.core_outputs import EngineStats
 from turnout.engine.input_processor import ContextLengthError, InputProcessor
 from turnout.engine.output_processor import OutputProcessor
 from turnout.engine.outputs import RequestOutput
@@ -27,16 +28,20 @@ logger = logging.getLogger(__name__)
 __all__ = ["ContextLengthError", "EngineStats", "LLMEngine"]
 
 
-def _context_limit(requested: int | None, loaded) -> int:
-    """The longest context served exactly. Sliding-window attention (Mistral v0.1, Mixtral) is not
-    implemented, so such models are capped at their window, where full attention computes the same."""
+def _context_limit(requested: int | None, loaded, layout) -> int:
+    """The longest context served exactly: the model's, or the one asked for up to it. Layers that declare a
+    sliding window (``layout``: turnout/kv/spec.py) read it out of the paged cache, so their models serve it
+    all; a model whose config has a window that its layers do not apply is capped at the window, where full
+    attention computes the same."""
+    from turnout.kv.spec import SlidingWindowSpec
+
     limit = loaded.max_model_len
     cfg = loaded.hf_config
     window = getattr(cfg, "sliding_window", None)
-    if getattr(cfg, "use_sliding_window", True) and isinstance(window, int) and 0 < window < limit:
-        logger.warning("this model uses sliding-window attention (window %d tokens), which turnout does not "
-                       "implement yet: contexts are capped at %d tokens, where full attention is exact",
-                       window, window)
+    if (getattr(cfg, "use_sliding_window", True) and isinstance(window, int) and 0 < window < limit
+            and not any(isinstance(s, SlidingWindowSpec) for s in layout.specs)):
+        logger.warning("this model's config has a sliding window (%d tokens) that its layers do not apply: "
+                       "contexts are capped at %d tokens, where full attention is exact", window, window)
         limit = window
     if requested is None:
         return limit
@@ -75,13 +80,16 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.model_name = config.served_model_name or _display_name(config.model, loaded)
-        self.max_model_len = _context_limit(config.max_model_len, loaded)
         self.runner = self.executor.runner  # rank 0's ModelRunner: the core drives it
-        # max_num_seqs=None: the runner chose it when it sized the cache (turnout/engine/concurrency.py)
+        self.max_model_len = _context_limit(config.max_model_len, loaded, self.runner.cache_layout)
+        # max_num_seqs=None: the runner chose it when it sized the cache (turnout/worker/concurrency.py)
         self.config = config = dataclasses.replace(config, max_num_seqs=self.runner.max_num_seqs)
         xfer = self.runner.kv_transfer  # the KV tiers' host pools and preemption mode (worker/kv_transfer.py)
+        layout = self.runner.cache_layout  # what the layers store (turnout/kv/spec.py): the window, the states
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          swap_blocks=xfer.num_swap_blocks, offload_blocks=xfer.num_offload_blocks)
+                                          swap_blocks=xfer.num_swap_blocks, offload_blocks=xfer.num_offload_blocks,
+                                          window=layout.window, state_slots=self.runner.num_state_slots,
+                                          state_swap_slots=xfer.num_host_state_slots)
         scheduler = Scheduler(self.block_manager, config.max_num_seqs, max(config.max_num_batched_tokens, 1),
                               self.max_model_len, fair_share_seqs=config.fair_share_seqs, preemption=xfer.preemption)
         self.eos_ids = self._eos_ids()
@@ -174,6 +182,8 @@ class LLMEngine:
                            generation_tokens_total=self.output_processor.generation_tokens_total,
                            prefix_cache_hit_tokens_total=s.num_prefix_cached_tokens,
                            lookahead_steps_total=self.core.num_lookahead_steps,
+                           draft_tokens_total=self.core.num_draft_tokens,
+                           accepted_draft_tokens_total=self.core.num_accepted_draft_tokens,
                            num_failed_requests_total=self.core.num_failed_requests,
                            **self._tier_stats())
 

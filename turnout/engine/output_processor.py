@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from turnout.engine.core import CoreOutput, SampledToken
+from turnout.engine.core_outputs import CoreOutput, SampledToken
 from turnout.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from turnout.engine.input_processor import EngineRequest, Tokenizer
 from turnout.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -116,21 +116,23 @@ class OutputProcessor:
             state = self.requests.get(st.seq.request_id)
             if state is None or state.error is not None:
                 continue
-            self.generation_tokens_total += 1
             m = state.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
             state.num_cached_tokens = max(state.num_cached_tokens, st.seq.num_cached_tokens)
             try:
-                status = self._emit(state, st)
+                # a multi-token step's tokens in order: the first that ends the sample cuts the rest
+                for i, tok in enumerate(st.tokens):
+                    self.generation_tokens_total += 1
+                    status = self._emit(state, st, i)
+                    if status is not None:
+                        ended.append((st.seq, status))
+                        break
             except Exception as e:  # noqa: BLE001 - one request's text must not fail the others
                 logger.exception("request %r failed in output processing", state.request.request_id)
                 self._fail(state, f"output processing failed: {type(e).__name__}: {e}")
                 failed.append(state.request.request_id)
-            else:
-                if status is not None:
-                    ended.append((st.seq, status))
             touched[state.request.request_id] = state
         outputs = []
         for state in touched.values():
@@ -187,18 +189,20 @@ class OutputProcessor:
     def _decode_one(self, tok: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([tok])
 
-    def _emit(self, state: RequestState, st: SampledToken) -> SequenceStatus | None:
+    def _emit(self, state: RequestState, st: SampledToken, i: int) -> SequenceStatus | None:
+        """The ``i``-th of a step's tokens of one sample; its finish status, or None."""
         p = state.request.params
-        seq, tok = st.seq, st.token
+        seq, tok = st.seq, st.tokens[i]
         comp = state.completions[seq.index]
         detok = state.detoks[seq.index]
         comp.token_ids.append(tok)
-        if st.logprob is not None and comp.logprobs is not None:
-            entry = {tok: Logprob(st.logprob, st.rank, self._decode_one(tok))}
-            for r, (t, lp) in enumerate(st.top[: p.logprobs]):
-                entry.setdefault(t, Logprob(lp, r + 1, self._decode_one(t)))
+        if st.logprobs is not None and comp.logprobs is not None:
+            lp = st.logprobs[i]
+            entry = {tok: Logprob(lp, st.ranks[i], self._decode_one(tok))}
+            for r, (t, tlp) in enumerate(st.top[i][: p.logprobs]):
+                entry.setdefault(t, Logprob(tlp, r + 1, self._decode_one(t)))
             comp.logprobs.append(entry)
-            comp.cumulative_logprob += st.logprob
+            comp.cumulative_logprob += lp
         n_out = len(comp.token_ids)
         finish, stop_reason = None, None
         terminated = getattr(seq.grammar, "is_terminated", None)
@@ -212,7 +216,7 @@ class OutputProcessor:
             comp.text += detok.add(tok, check_stop=n_out >= p.min_tokens)
             if detok.stopped is not None:
                 finish, stop_reason = "stop", detok.stopped
-            elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens - (len(st.tokens) - 1 - i) >= self.max_model_len:
                 finish = "length"
         if finish is None:
             return None

@@ -127,7 +127,7 @@ class RolloutControl:
         if self.weights_asleep:
             raise RuntimeError("update_weights: the weights are asleep (sleep() was called); "
                                "wake_up(tags=['weights']) first")
-        self.engine.runner.memory.check_weights(items)  # rank 0, in this process: raises before any rank writes
+        self.engine.executor.driver_rpc("check_weights", items)  # rank 0, in this process: raises before any rank writes
         written = self._rpc(rank_memory.update_weights_rank, items)[0]
         self.reset_prefix_cache()
         return written
@@ -153,7 +153,7 @@ class RolloutControl:
             raise ValueError(f"path: {e.filename or path}: {e.strerror or e}") from None
         for f in files:
             try:
-                self.engine.runner.memory.check_weights(checked_headers(f))
+                self.engine.executor.driver_rpc("check_weights", checked_headers(f))
             except ValueError as e:  # the file's own check names it; the model's names the tensor
                 raise ValueError(f"path: {e}" if str(f) in str(e) else f"path: {f}: {e}") from None
         written = self._rpc(rank_memory.update_weights_from_disk_rank, [str(f) for f in files])[0]
@@ -214,7 +214,7 @@ class RolloutControl:
             raise RuntimeError("update_weights_from_distributed: the weights are asleep (sleep() was called); "
                                "wake_up(tags=['weights']) first")
         timeout = _check_timeout(timeout, DEFAULT_TIMEOUT_S)
-        self.engine.runner.memory.check_weights(meta_weights(names, dtypes, shapes))
+        self.engine.executor.driver_rpc("check_weights", meta_weights(names, dtypes, shapes))
         results = self._rpc(rank_memory.update_weights_from_distributed_rank, list(names),
                             [str(d) for d in dtypes], [tuple(int(x) for x in s) for s in shapes], timeout)
         try:
@@ -240,7 +240,7 @@ class RolloutControl:
             raise ValueError(f"buckets: one per engine rank ({n}), got {len(buckets)}")
         for b in buckets:
             check_bucket(b)
-            self.engine.runner.memory.check_weights(meta_weights(b.names, b.dtypes, b.shapes))
+            self.engine.executor.driver_rpc("check_weights", meta_weights(b.names, b.dtypes, b.shapes))
         written = self._rpc(rank_memory.update_weights_from_ipc_rank, buckets)[0]
         self.reset_prefix_cache()
         return written

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 
 from turnout.engine.sequence import Sequence, SequenceStatus
 from turnout.kv.block_manager import BlockManager
+from turnout.kv.preemption import Preemption
 
 
 @dataclass
@@ -66,6 +67,9 @@ class ScheduledSeq:
     start: int  # = seq.num_computed_tokens before the step
     num_tokens: int  # compute seq.token_ids[start:start + num_tokens] this step
     sample: bool  # the chunk reaches the end of the sequence: sample from its last token's logits
+    # proposed tokens computed after the chunk in the same forward (a multi-token step): the rank keeps the
+    # ones its own draws confirm (worker/step.py); slots are reserved for all of them
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -90,27 +94,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass(frozen=True)
-class Preemption:
-    """How to preempt: ``mode`` "recompute" | "swap" | "auto". For auto, the measured costs (the runner's
-    start-up measurement, turnout/worker/kv_transfer.py): swapping a sequence costs its blocks out and
-    back in, ``2 * blocks * block_bytes / copy_bytes_per_s``; recomputing it costs
-    ``num_computed_tokens / prefill_tokens_per_s``."""
-
-    mode: str = "recompute"
-    block_bytes: int = 0
-    copy_bytes_per_s: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-
-    def swap_pays(self, num_blocks: int, num_computed_tokens: int) -> bool:
-        if self.mode != "auto":
-            return self.mode == "swap"
-        if self.copy_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0:
-            return False
-        swap_s = 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
-        return swap_s < num_computed_tokens / self.prefill_tokens_per_s
 
 
 class Scheduler:
@@ -161,18 +144,20 @@ class Scheduler:
             raise ValueError(f"request {seq.request_id!r}: n = {seq.n} exceeds max_num_seqs ({self.max_num_seqs})")
         max_tokens = seq.max_tokens
         longest = self.max_model_len if max_tokens is None else min(seq.num_tokens + max_tokens, self.max_model_len)
-        need = bm.blocks_for(longest)
-        if need > bm.num_blocks:
+        need = bm.max_blocks_per_seq(longest, self.max_num_batched_tokens)  # a sliding window bounds it
+        if need > bm.capacity:
             raise ValueError(
                 f"request {seq.request_id!r}: up to {longest} tokens ({seq.num_tokens} prompt"
                 f"{'' if max_tokens is None else f' + {max_tokens} max_tokens'}, max_model_len {self.max_model_len}) "
-                f"need {need} KV blocks of {bm.block_size} tokens, but the cache has only {bm.num_blocks}")
+                f"need {need} KV blocks of {bm.block_size} tokens, but the cache has only {bm.capacity}")
         self._live_ids.add(seq.seq_id)
         self._next_seq_id = max(self._next_seq_id, seq.seq_id + 1)
         self.waiting.append(seq)
 
     # ---- the step -------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """``drafts``: seq_id -> tokens proposed to follow a decoding sequence (engine/drafts.py); each is
+        verified in this step where the budget, the cache and the sequence's limits leave room."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         entries: dict[int, ScheduledSeq] = {}  # seq_id -> entry, in scheduling order
@@ -215,6 +200,15 @@ class Scheduler:
                 continue
             start = seq.num_computed_tokens
             num_new = min(seq.num_tokens - start, budget)
+            draft = self._drafts_that_fit(seq, (drafts or {}).get(seq.seq_id), budget) if num_new == 1 else []
+            if draft:  # slots for the drafts too; no preemption for them: without room, the step has none
+                if bm.can_append(seq, 1 + len(draft)):
+                    copies_for = bm.append_slots(seq, 1 + len(draft))
+                    if copies_for:
+                        copies[seq.seq_id] = copies_for
+                    entries[seq.seq_id] = ScheduledSeq(seq, start, 1, True, list(draft))
+                    budget -= 1 + len(draft)
+                    continue
             while not bm.can_append(seq, num_new):
                 if len(self.running) == 1:
                     raise RuntimeError(f"sequence {seq.seq_id} ({seq.num_tokens} tokens) cannot grow: the KV cache "
@@ -276,7 +270,7 @@ class Scheduler:
         for pairs in copies.values():
             out.copy_on_write.extend(pairs)
         for i, entry in enumerate(out.scheduled):
-            out.num_batched_tokens += entry.num_tokens
+            out.num_batched_tokens += entry.num_tokens + len(entry.draft_token_ids)
             if entry.is_prefill:
                 self.num_prefill_tokens_computed += entry.num_tokens
             else:
@@ -387,6 +381,28 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _drafts_that_fit(self, seq: Sequence, draft: list[int] | None, budget: int) -> list[int]:
+        """The drafts of a decoding sequence that fit: the step's token budget, max_model_len and max_tokens
+        (its one drawn token and the draft tokens all count as output)."""
+        if not draft:
+            return []
+        room = min(budget - 1, self.max_model_len - seq.num_tokens - 1)
+        if seq.max_tokens is not None:
+            room = min(room, seq.max_tokens - seq.num_output_tokens - 1)
+        return list(draft[:max(room, 0)])
+
+    def accept_drafts(self, entry: ScheduledSeq, num_accepted: int) -> None:
+        """After a multi-token step's draws were appended: the first ``num_accepted`` drafts were kept, so
+        their KV is valid (the sequence's computed tokens grow by that much); the blocks reserved only for
+        the rejected ones go back."""
+        seq = entry.seq
+        if seq.status != SequenceStatus.RUNNING:
+            return
+        seq.num_computed_tokens = entry.start + entry.num_tokens + num_accepted
+        self.num_decode_tokens_computed += num_accepted
+        self.block_manager.trim(seq, seq.num_tokens)
+        self.block_manager.register_computed_blocks(seq)
 
     def postprocess(self, output: SchedulerOutput) -> None:
         """After the forward: the scheduled tokens' KV is in the cache. Advances num_computed_tokens and

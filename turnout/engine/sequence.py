@@ -50,16 +50,6 @@ _FINISH_REASON = {
 }
 
 
-class SequenceFaults(Exception):
-    """A step stage traced exceptions to particular sequences before any device work of the forward:
-    ``faults`` maps seq_id -> the exception. The engine core fails their requests and rebuilds the step."""
-
-    def __init__(self, faults: dict[int, BaseException]):
-        self.faults = faults
-        first = next(iter(faults.values()), None)
-        super().__init__(f"{len(faults)} sequence(s) failed: {type(first).__name__}: {first}")
-
-
 class Sequence:
     """Token state and KV bookkeeping of one sample.
 

@@ -141,6 +141,11 @@ class MultiprocExecutor:
             values.append(value)
         return values
 
+    def driver_rpc(self, method: str, *args):
+        """A Worker method on the driver rank only, in this process: a check that must pass before any rank
+        is asked to act (the others would only repeat it)."""
+        return getattr(self.worker, method)(*args)
+
     def collective_rpc(self, method, args=(), kwargs=None) -> list:
         """``method`` (a Worker method name, or an importable callable taking the worker first) on every rank,
         the driver's too; the results in rank order."""

@@ -10,9 +10,14 @@ class UniprocExecutor:
 
         self.worker = Worker(config, platform=platform, ops=ops)
         self.loaded = self.worker.loaded
-        self.runner = self.worker.runner  # what the engine core calls execute / start_readback on
+        self.runner = self.worker.runner  # what the engine core calls execute on
         self.num_blocks = self.runner.num_blocks
         self.world_size = 1
+
+    def driver_rpc(self, method: str, *args):
+        """A Worker method on the driver rank only, in this process: a check that must pass before any rank
+        is asked to act (the others would only repeat it)."""
+        return getattr(self.worker, method)(*args)
 
     def collective_rpc(self, method, args=(), kwargs=None) -> list:
         """``method`` (a Worker method name, or a callable taking the worker first) on the one worker."""

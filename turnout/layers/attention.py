@@ -145,6 +145,16 @@ class Attention(nn.Module):
                                         meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
                                         self.scale, **kw, **self.variant_kwargs)
 
+    def kv_spec(self, cache_dtype: str):
+        """What this layer stores per token (turnout/kv/spec.py): k and v of its kv heads (this rank's under
+        tensor parallelism) as ``cache_dtype``, read over its sliding window if it has one."""
+        from turnout.kv.spec import FullAttentionSpec, SlidingWindowSpec
+
+        window = getattr(self, "sliding_window", None)
+        if window:
+            return SlidingWindowSpec(self.num_kv_heads, self.head_dim, cache_dtype, window=int(window))
+        return FullAttentionSpec(self.num_kv_heads, self.head_dim, cache_dtype)
+
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
                 + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else "")

@@ -28,11 +28,18 @@ their grid, and read each sequence's real length from ``seq_lens`` on the device
 
 If capture fails (an op that synchronises, e.g. a reference implementation doing ``.item()``), one
 warning says why and every step runs eagerly.
+
+Multi-token decode (``num_speculative_tokens`` k > 0: each sequence computes its token and up to k drafts,
+worker/step.py) is captured too, per (batch, query length q) for q = 2 .. 1 + k, where every sequence of
+the step has the same q and every position draws. Those shapes use the same buffers: token rows
+``[:b q]`` (ids, positions, slots, logits), sequence rows ``[:b]``, and a static ``query_start_loc`` per q;
+only batches with ``b q`` within the largest bucket are captured. A padding sequence there attends to q
+tokens of block 0 (its seq_len is q, so no query position falls before its first token). A failed capture
+of these shapes leaves the one-token graphs in place.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -40,57 +47,37 @@ import time
 import torch
 
 from turnout.layers.attention import AttentionMetadata
+from turnout.worker.graph_buckets import (  # noqa: F401
+    FINE_GRAPH_BATCH,
+    MAX_GRAPH_BATCH,
+    bucket_for,
+    graph_buckets,
+    is_graphable,
+    multi_token_buckets,
+)
 
 logger = logging.getLogger(__name__)
-
-# Larger decode batches run eagerly: launch overhead is amortised there. 1024 is the largest default
-# max_num_seqs (turnout/engine/concurrency.py), so a default engine replays every decode batch.
-MAX_GRAPH_BATCH = 1024
-# Up to here every multiple of 8 is captured; above, every multiple of 32 (a padded lane costs a 32nd of a
-# step's batch at most there, and the capture count stays bounded: 59 graphs for 1024, 43 for 512)
-FINE_GRAPH_BATCH = 256
-
-
-def graph_buckets(max_num_seqs: int, max_bucket: int = MAX_GRAPH_BATCH) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, every multiple of 8 up to 256, then every multiple of 32, up to
-    min(max_num_seqs, max_bucket), which is always the last bucket."""
-    top = max(1, min(int(max_num_seqs), int(max_bucket)))
-    sizes = {b for b in (1, 2, 4) if b < top} | set(range(8, min(top, FINE_GRAPH_BATCH + 1), 8))
-    sizes |= set(range(FINE_GRAPH_BATCH + 32, top, 32)) | {top}
-    return sorted(sizes)
-
-
-def bucket_for(n: int, buckets: list[int]) -> int | None:
-    """The smallest bucket that holds ``n`` lanes; None when ``n`` is larger than every bucket."""
-    if n < 1:
-        return None
-    i = bisect.bisect_left(buckets, n)
-    return buckets[i] if i < len(buckets) else None
-
-
-def is_graphable(num_tokens: int, num_seqs: int, num_sampled: int, max_query_len: int, table_width: int,
-                 max_table_width: int, buckets: list[int]) -> bool:
-    """A step replays a graph when it is pure decode (one token per sequence, every sequence samples),
-    fits a bucket, and its block tables fit the static ones."""
-    return (max_query_len == 1 and num_tokens == num_seqs == num_sampled and table_width <= max_table_width
-            and bucket_for(num_seqs, buckets) is not None)
-
 
 class DecodeGraphs:
     """One CUDA graph per bucket, one memory pool, static inputs; see the module docstring."""
 
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int, device,
-                 max_bucket: int = MAX_GRAPH_BATCH, upload_stream=None):
+                 max_bucket: int = MAX_GRAPH_BATCH, upload_stream=None, max_query_len: int = 1):
         self.model = model
         self.kv_caches = kv_caches
         self.device = torch.device(device)
         self.buckets = graph_buckets(max_num_seqs, max_bucket)
         self.max_model_len = int(max_model_len)
         self.max_blocks = math.ceil(self.max_model_len / block_size)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # one-token decode, by batch size
+        # multi-token decode (query length q > 1): by q, the batch sizes captured, and the graphs by (batch, q)
+        self.multi_buckets = {q: multi_token_buckets(self.buckets, q) for q in range(2, max_query_len + 1)}
+        self.multi_buckets = {q: b for q, b in self.multi_buckets.items() if b}
+        self.multi: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.disabled_reason: str | None = None
         self.capture_s = 0.0
         self.num_replays = 0
+        self.num_multi_token_replays = 0  # of those, at a query length > 1
         bs, dev = self.buckets[-1], self.device
         cuda = dev.type == "cuda"
         self._upload = upload_stream if cuda else None
@@ -99,6 +86,8 @@ class DecodeGraphs:
             self._inputs = torch.empty(self._words(bs), dtype=torch.int32, device=dev)
             self.positions, self.slot_mapping, self.seq_lens, self.block_tables = self._views(self._inputs)
             self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=dev)
+            self._multi_qsl = {q: torch.arange(0, (bs // q + 1) * q, q, dtype=torch.int32, device=dev)
+                               for q in self.multi_buckets}
             # pinned host buffers and device staging buffers, two of each, used in turn
             self._host = [torch.empty(self._words(bs), dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
             self._staging = [torch.empty_like(self._inputs) for _ in range(2)] if self._upload is not None else []
@@ -136,22 +125,27 @@ class DecodeGraphs:
         return bool(self.graphs) and self.disabled_reason is None
 
     def stats(self) -> dict:
-        return {"enabled": self.enabled, "buckets": sorted(self.graphs), "capture_s": round(self.capture_s, 3),
-                "replays": self.num_replays, "disabled_reason": self.disabled_reason}
+        out = {"enabled": self.enabled, "buckets": sorted(self.graphs), "capture_s": round(self.capture_s, 3),
+               "replays": self.num_replays, "disabled_reason": self.disabled_reason}
+        if self.multi:
+            out["multi_token_shapes"] = sorted(self.multi)
+        return out
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
-                                 seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
-                                 max_query_len=1, max_seq_len=self.max_model_len)
+    def _meta(self, b: int, q: int = 1) -> AttentionMetadata:
+        qsl = self.query_start_loc if q == 1 else self._multi_qsl[q]
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:b * q], block_tables=self.block_tables[:b],
+                                 seq_lens=self.seq_lens[:b], query_start_loc=qsl[:b + 1],
+                                 max_query_len=q, max_seq_len=self.max_model_len)
 
-    def _forward(self, b: int) -> None:
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+    def _forward(self, b: int, q: int = 1) -> None:
+        t = b * q
+        hidden = self.model(self.input_ids[:t], self.positions[:t], self.kv_caches, self._meta(b, q))
         if self.logits is None:  # the largest bucket's eager warm-up, before any capture
             logits = self.model.compute_logits(hidden)  # [b, V]
             self.logits = torch.empty((self.buckets[-1], logits.shape[-1]), dtype=logits.dtype, device=logits.device)
-            self.logits[:b].copy_(logits)
+            self.logits[:t].copy_(logits)
         else:  # straight into the shared buffer: one kernel casts and stores
-            self.model.compute_logits(hidden, out=self.logits[:b])
+            self.model.compute_logits(hidden, out=self.logits[:t])
 
     # ---- capture ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -165,37 +159,53 @@ class DecodeGraphs:
         try:
             torch.cuda.synchronize(dev)
             for b in reversed(self.buckets):
-                # Eager warm-up on the capture stream: first op calls settle the op table, Triton
-                # compiles and autotunes for this shape, cuBLAS picks its algorithms. None of that
-                # may happen inside a capture.
-                stream.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(stream):
-                    self._forward(b)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.stream(stream):
-                    graph.capture_begin(pool=pool)
-                    error = None
-                    try:
-                        self._forward(b)
-                    except Exception as e:  # noqa: BLE001 - reported below, with the end-capture error
-                        error = e
-                    try:
-                        graph.capture_end()
-                    except Exception as e:  # noqa: BLE001
-                        error = error or e
-                if error is not None:
-                    raise _CaptureError(b, error)
-                self.graphs[b] = graph
+                self.graphs[b] = self._capture_one(stream, pool, b, 1)
             torch.cuda.synchronize(dev)
         except Exception as e:  # noqa: BLE001 - any failure means: run eagerly
             self._give_up(e)
-            return False
-        finally:
             self.capture_s = time.perf_counter() - t0
-        logger.info("CUDA graphs: captured %d decode batch sizes (%s) in %.1fs", len(self.graphs),
-                    _describe(self.buckets), self.capture_s)
+            return False
+        try:
+            for q, sizes in self.multi_buckets.items():
+                self.seq_lens[:sizes[-1]].fill_(q)  # no query position before a padding sequence's first token
+                for b in reversed(sizes):
+                    self.multi[(b, q)] = self._capture_one(stream, pool, b, q)
+            torch.cuda.synchronize(dev)
+        except Exception as e:  # noqa: BLE001 - the one-token graphs stay
+            self.multi.clear()
+            logger.warning("CUDA graphs: multi-token decode runs eagerly: capture failed: %s",
+                           f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        finally:
+            self.seq_lens.fill_(1)
+        self.capture_s = time.perf_counter() - t0
+        logger.info("CUDA graphs: captured %d decode batch sizes (%s)%s in %.1fs", len(self.graphs),
+                    _describe(self.buckets), f" and {len(self.multi)} multi-token shapes" if self.multi else "",
+                    self.capture_s)
         return True
+
+    def _capture_one(self, stream, pool, b: int, q: int):
+        # Eager warm-up on the capture stream: first op calls settle the op table, Triton compiles and
+        # autotunes for this shape, cuBLAS picks its algorithms. None of that may happen inside a capture.
+        dev = self.device
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            self._forward(b, q)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            error = None
+            try:
+                self._forward(b, q)
+            except Exception as e:  # noqa: BLE001 - reported below, with the end-capture error
+                error = e
+            try:
+                graph.capture_end()
+            except Exception as e:  # noqa: BLE001
+                error = error or e
+        if error is not None:
+            raise _CaptureError(b if q == 1 else f"{b} x {q} tokens", error)
+        return graph
 
     def _give_up(self, error: Exception) -> None:
         self.graphs.clear()
@@ -212,17 +222,21 @@ class DecodeGraphs:
 
     # ---- replay ----------------------------------------------------------------------------
     def can_run(self, num_sampled: int, meta: AttentionMetadata) -> bool:
-        n = int(meta.seq_lens.shape[0])
-        return self.enabled and is_graphable(int(meta.slot_mapping.shape[0]), n, num_sampled, meta.max_query_len,
-                                             int(meta.block_tables.shape[1]), self.max_blocks, self.buckets)
+        n, q = int(meta.seq_lens.shape[0]), meta.max_query_len
+        tokens, width = int(meta.slot_mapping.shape[0]), int(meta.block_tables.shape[1])
+        if q == 1 or not self.enabled:
+            return self.enabled and is_graphable(tokens, n, num_sampled, q, width, self.max_blocks, self.buckets)
+        # every sequence q tokens (n q tokens, none longer than q), every position draws
+        b = bucket_for(n, self.multi_buckets.get(q, []))
+        return tokens == n * q == num_sampled and width <= self.max_blocks and (b, q) in self.multi
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions and meta on the host (pinned): one async copy each into the static
         buffers, then replay. input_ids may also be on the device (a lookahead step's inputs: the
-        previous step's sampled tokens). Returns logits [n, vocab] f32, a view valid until the next replay."""
-        n = int(input_ids.shape[0])
-        b = bucket_for(n, self.buckets)
+        previous step's sampled tokens). Returns logits [tokens, vocab] f32, a view valid until the next replay."""
+        t, n, q = int(input_ids.shape[0]), int(meta.seq_lens.shape[0]), meta.max_query_len
+        b = bucket_for(n, self.buckets if q == 1 else self.multi_buckets[q])
         width = int(meta.block_tables.shape[1])
         i = self._turn
         self._turn ^= 1
@@ -230,14 +244,17 @@ class DecodeGraphs:
         if self._uploaded:
             self._uploaded[i].synchronize()  # the copy that last read this pinned buffer (two steps ago) is done
         positions_h, slots_h, seq_lens_h, tables_h = views = self._views(host)
-        positions_h[:n] = positions
-        slots_h[:n] = meta.slot_mapping
+        positions_h[:t] = positions
+        slots_h[:t] = meta.slot_mapping
         seq_lens_h[:n] = meta.seq_lens
+        if q > 1:
+            seq_lens_h[n:b] = q  # padding sequences of q tokens
         # Columns beyond `width` keep stale (valid) block ids: kernels read only ceil(seq_len / block_size).
         tables_h[:n, :width] = meta.block_tables
-        if n < self._host_filled[i]:  # re-pad the lanes this buffer held live before and does not now
-            self._pad(views, n, self._host_filled[i])
-        self._host_filled[i] = n
+        filled = max(t, b) if q > 1 else n  # rows (token or sequence) holding other than padding values
+        if filled < self._host_filled[i]:  # re-pad the rows this buffer held live before and does not now
+            self._pad(views, filled, self._host_filled[i])
+        self._host_filled[i] = filled
         words = self._words(n)
         if self._upload is not None:  # up on the side stream, in one device-to-device copy here
             main = torch.cuda.current_stream(self.device)
@@ -253,10 +270,11 @@ class DecodeGraphs:
             self._inputs[:words].copy_(host[:words], non_blocking=True)
             if self._uploaded:
                 self._uploaded[i].record()
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.graphs[b].replay()
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        (self.graphs[b] if q == 1 else self.multi[(b, q)]).replay()
         self.num_replays += 1
-        return self.logits[:n]
+        self.num_multi_token_replays += q > 1
+        return self.logits[:t]
 
 
 class _CaptureError(RuntimeError):
@@ -278,6 +296,7 @@ def maybe_capture(runner) -> DecodeGraphs | None:
         logger.info("CUDA graphs: not supported on %s; running eagerly", platform.name)
         return None
     graphs = DecodeGraphs(runner.model, runner.kv_caches, config.max_num_seqs, runner.max_model_len,
-                          runner.block_size, runner.device, upload_stream=runner._upload)
+                          runner.block_size, runner.device, upload_stream=runner._upload,
+                          max_query_len=1 + getattr(config, "num_speculative_tokens", 0))
     graphs.capture()
     return graphs

@@ -1,5 +1,6 @@
-"""How big the paged KV cache is: its geometry, storage dtype and block count (the model runner's start-up; a
-module of its own so the runner keeps to the step)."""
+"""How big the paged KV cache is: the layers' specs (turnout/kv/spec.py), the storage dtype, the block count and
+the tensors themselves (the model runner's start-up, its wake-up and the host tier's; a module of its own so the
+runner keeps to the step)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import math
 
 import torch
 
-from turnout.engine.concurrency import profile_rows
+from turnout.kv.spec import CacheLayout
 from turnout.layers.attention import AttentionMetadata
+from turnout.worker.concurrency import profile_rows
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +24,52 @@ def kv_geometry(hf_config) -> tuple[int, int, int]:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     return hf_config.num_hidden_layers, kv_heads, head_dim
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def model_cache_layout(model, cache_dtype: torch.dtype) -> CacheLayout:
+    """The specs the model's layers declare, one per cache-holding layer in the order the model takes its
+    caches: the model's ``kv_specs(dtype name)`` where it has one, else every module's ``kv_spec`` in module
+    order (one attention layer per decoder layer)."""
+    name = dtype_name(cache_dtype)
+    if callable(getattr(model, "kv_specs", None)):
+        return CacheLayout(tuple(model.kv_specs(name)))
+    return CacheLayout(tuple(m.kv_spec(name) for m in model.modules() if callable(getattr(m, "kv_spec", None))))
+
+
+def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_slots: int, device,
+                    pin_memory: bool = False, zero: bool = True) -> list[tuple[torch.Tensor, ...]]:
+    """One tuple of tensors per layer, as its spec says: ``[num_blocks, block_size, *shape]`` for each of a token
+    layer's shapes ((k, v) for attention, one latent tensor), ``[num_slots, *shape]`` for a state layer's."""
+    make = torch.zeros if zero else torch.empty
+    kw = {"pin_memory": True} if pin_memory else {}
+    out = []
+    for spec in layout.specs:
+        if spec.per_token:
+            dtype = getattr(torch, spec.dtype)
+            out.append(tuple(make((num_blocks, block_size, *shape), dtype=dtype, device=device, **kw)
+                             for shape in spec.token_shapes))
+        else:
+            out.append(tuple(make((num_slots, *shape), dtype=getattr(torch, d), device=device, **kw)
+                             for shape, d in zip(spec.shapes, spec.dtypes)))
+    return out
+
+
+def block_caches(caches, layout: CacheLayout) -> list[list[torch.Tensor]]:
+    """Per layer, the tensors a block id indexes (none for a state layer): what block copies and swaps move."""
+    return [list(c) if spec.per_token else [] for c, spec in zip(caches, layout.specs)]
+
+
+def state_caches(caches, layout: CacheLayout) -> list[list[torch.Tensor]]:
+    """Per layer, the tensors a state slot indexes (none for a token layer)."""
+    return [[] if spec.per_token else list(c) for c, spec in zip(caches, layout.specs)]
+
+
+def cache_bytes(caches) -> int:
+    return sum(t.numel() * t.element_size() for layer in caches for t in layer)
 
 
 def kv_dtype(runner) -> torch.dtype:
@@ -42,6 +90,7 @@ def plan_kv_blocks(runner) -> int:
         budget = CPU_DEFAULT_KV_BYTES
     else:
         budget = profile_gpu_budget(runner)
+    budget -= runner.num_state_slots * runner.cache_layout.state_bytes  # per-request states come first
     blocks = int(budget // runner.block_bytes)
     if blocks < 2:
         raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV blocks of "
@@ -55,9 +104,7 @@ def profile_gpu_budget(runner) -> int:
     dev = runner.device
     n = runner.config.max_num_batched_tokens
     scratch_blocks = math.ceil(n / runner.block_size) + 1
-    shape = (scratch_blocks, runner.block_size, runner.num_kv_heads, runner.head_dim)
-    scratch = [(torch.empty(shape, dtype=runner.kv_dtype, device=dev),
-                torch.empty(shape, dtype=runner.kv_dtype, device=dev)) for _ in range(runner.num_layers)]
+    scratch = allocate_caches(runner.cache_layout, scratch_blocks, runner.block_size, 1, dev, zero=False)
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -71,7 +118,7 @@ def profile_gpu_budget(runner) -> int:
         hidden = runner.model(ids, torch.arange(n, device=dev), scratch, meta)
         runner.model.compute_logits(hidden[-profile_rows(runner.config):])
     torch.cuda.synchronize(dev)
-    scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
+    scratch_bytes = cache_bytes(scratch)
     peak = torch.cuda.max_memory_allocated(dev) - scratch_bytes
     del scratch, hidden
     torch.cuda.empty_cache()

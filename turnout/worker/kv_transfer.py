@@ -39,9 +39,10 @@ from collections.abc import Sequence
 
 import torch
 
-from turnout.engine.scheduler import Preemption
+from turnout.kv.preemption import Preemption
 from turnout.layers.attention import AttentionMetadata
 from turnout.ops import OpFailedError
+from turnout.worker.kv_sizing import allocate_caches, block_caches, state_caches
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,8 @@ class KVTransfer:
             raise ValueError("kv_offload_gb: the host prefix tier needs enable_prefix_caching")
         self.mode = mode
         self.num_host_blocks = self.num_swap_blocks + self.num_offload_blocks
+        # a swapped-out sequence's per-request state (recurrent layers) waits in a host slot of its own
+        self.num_host_state_slots = runner.num_state_slots if self.num_swap_blocks else 0
         self.host_caches = self._host_caches(self.num_host_blocks)
         dev = runner.device
         self._mod = getattr(torch, dev.type, None)
@@ -165,15 +168,19 @@ class KVTransfer:
                         f"; measured copy {self.copy_bytes_per_s / 1e9:.2f} GB/s, prefill "
                         f"{self.prefill_tokens_per_s:.0f} tokens/s" if mode == "auto" else "")
 
-    def _host_caches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _host_caches(self, n: int) -> list[tuple[torch.Tensor, ...]]:
+        """The device cache's layout (every layer's tensors, the device cache's dtype: fp8 too) in host memory."""
         if n == 0:
             return []
         r = self.runner
         pin = r.device.type == "cuda"  # DMA straight from / to the pages; plain (lazily touched) memory on CPU
-        shape = (n, r.block_size, r.num_kv_heads, r.head_dim)
-        return [(torch.empty(shape, dtype=r.kv_dtype, pin_memory=pin),  # the device cache's dtype (fp8 too)
-                 torch.empty(shape, dtype=r.kv_dtype, pin_memory=pin))
-                for _ in range(r.num_layers)]
+        return allocate_caches(r.cache_layout, n, r.block_size, self.num_host_state_slots, "cpu", pin_memory=pin,
+                               zero=False)
+
+    def _blocks(self) -> tuple[list, list]:
+        """Per layer, the (device, host) tensors a block id indexes (none for a state layer)."""
+        layout = self.runner.cache_layout
+        return block_caches(self.runner.kv_caches, layout), block_caches(self.host_caches, layout)
 
     def _sync(self) -> None:
         if self.runner.device.type != "cpu":
@@ -265,14 +272,17 @@ class KVTransfer:
         med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
         extra = max(0.0, med["forward_with_swap_in"] - med["forward"])
         return {"hidden": max(0.0, 1.0 - extra / med["copy"]) if med["copy"] > 0 else None, "blocks": n,
-                "forward_tokens": tokens, "copy_ms": med["copy"], "copy_per_layer_ms": med["copy"] / r.num_layers,
+                "forward_tokens": tokens, "copy_ms": med["copy"], "copy_per_layer_ms": med["copy"] / len(r.kv_caches),
                 "forward_ms": med["forward"], "forward_with_swap_in_ms": med["forward_with_swap_in"],
                 "copy_GB_s": n * r.block_bytes / med["copy"] / 1e6 if med["copy"] > 0 else None}
 
     # ---- the copies ---------------------------------------------------------------------------
     def _call(self, op: str, src, dst, m, stream=None):
-        """One layer's copy (src, dst: [k, v]) through ``op``; in line unless ``stream`` (the async op's)."""
+        """One layer's copy (src, dst: its tensors, [k, v] for attention) through ``op``; in line unless ``stream``
+        (the async op's). Nothing for a layer without such tensors (a state layer's blocks)."""
         ops = self.ops
+        if not src:
+            return None
         if op == "swap_layer_async":
             return ops.swap_layer_async(list(src), list(dst), m, **({"stream": stream} if stream is not None else {}))
         if op == "swap_layer":
@@ -318,7 +328,18 @@ class KVTransfer:
         """(device block, host block) copies, in line on the compute stream."""
         if not pairs:
             return
-        self._in_line(self.runner.kv_caches, self.host_caches, self._mapping(pairs))
+        dev, host = self._blocks()
+        self._in_line(dev, host, self._mapping(pairs))
+
+    def swap_states(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """Per-request states of recurrent layers (kv/state_slots.py): (device slot, host slot) copies out, or
+        (host slot, device slot) copies in, in line on the compute stream, in the order of the block copies."""
+        if not pairs:
+            return
+        layout = self.runner.cache_layout
+        dev, host = state_caches(self.runner.kv_caches, layout), state_caches(self.host_caches, layout)
+        src, dst = (dev, host) if to_host else (host, dev)
+        self._in_line(src, dst, self._mapping(pairs))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> LayerGate | None:
         """(host block, device block) copies before this step's forward reads them: a gate the forward
@@ -326,7 +347,7 @@ class KVTransfer:
         if not pairs:
             return None
         m = self._mapping(pairs)
-        caches, host = self.runner.kv_caches, self.host_caches
+        caches, host = self._blocks()
         if self.strategy[1] == "swap_layer_async":
             main = self._mod.current_stream(self.runner.device)
             self._stream.wait_stream(main)  # the blocks' previous owner's work (reads and writes) comes first

@@ -56,18 +56,21 @@ class PromptRows:
         return bool(self.rows)
 
 
-def prompt_rows(scheduled) -> PromptRows:
-    """The rows of ``scheduled`` (the step's entries, in batch order) whose logits predict a prompt token
-    of a request with ``prompt_logprobs``: the row of position p predicts token p + 1, for every p in the
-    chunk with p + 1 inside the prompt."""
+def prompt_rows(scheduled, requests) -> PromptRows:
+    """The rows of ``scheduled`` (the step's entries, worker/step.py, in batch order) whose logits predict a
+    prompt token of a request with ``prompt_logprobs`` (``requests``: the rank's, by req_id): the row of
+    position p predicts token p + 1, for every p in the chunk with p + 1 inside the prompt."""
     spans, rows, offset = [], [], 0
     for s in scheduled:
-        seq, start, n = s.seq, s.start, s.num_tokens
-        k = getattr(seq.params, "prompt_logprobs", None)
-        end = min(start + n, seq.num_prompt_tokens - 1)  # the last prompt position predicts an output token
-        if k is not None and start < end:
-            rows.extend(range(offset, offset + end - start))
-            spans.append((seq.request_id, start + 1, seq.token_ids[start + 1:end + 1], k, end - start))
+        req = requests.get(s.req_id)
+        start, n = s.start, s.num_query_tokens
+        k = None if req is None else req.prompt_logprobs
+        if k is not None:
+            prompt = req.prompt_token_ids
+            end = min(start + n, len(prompt) - 1)  # the last prompt position predicts an output token
+            if start < end:
+                rows.extend(range(offset, offset + end - start))
+                spans.append((req.request_id, start + 1, prompt[start + 1:end + 1], k, end - start))
         offset += n
     return PromptRows(spans, rows)
 

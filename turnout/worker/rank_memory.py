@@ -79,7 +79,7 @@ class RankMemory:
         """Bytes held by this rank's parameters, KV cache and host copies (storage sizes: what is really held)."""
         r = self.runner
         params = sum(p.untyped_storage().nbytes() for _, p in _unique_params(r.model))
-        kv = sum(t.untyped_storage().nbytes() for pair in r.kv_caches for t in pair)
+        kv = sum(t.untyped_storage().nbytes() for layer in r.kv_caches for t in layer)
         host = sum(s.host.untyped_storage().nbytes() for s in self._saved.values() if s.host is not None)
         return {"weights": params, "kv_cache": kv, "host_weights": host}
 
@@ -157,9 +157,9 @@ class RankMemory:
                 logger.warning("wake_up: the weights were discarded by sleep(level=2); they are zeros until "
                                "update_weights writes them")
         if "kv_cache" in tags and self.kv_asleep:
-            shape = (r.num_blocks, r.block_size, r.num_kv_heads, r.head_dim)  # [num_blocks, block_size, Hk, D]
-            r.kv_caches = [(torch.zeros(shape, dtype=r.kv_dtype, device=r.device),
-                            torch.zeros(shape, dtype=r.kv_dtype, device=r.device)) for _ in range(r.num_layers)]
+            from turnout.worker.kv_sizing import allocate_caches
+
+            r.kv_caches = allocate_caches(r.cache_layout, r.num_blocks, r.block_size, r.num_state_slots, r.device)
             self.kv_asleep = False
         if not self.is_sleeping and r.graphs is None:
             from turnout.worker.cuda_graphs import maybe_capture

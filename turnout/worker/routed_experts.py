@@ -51,13 +51,15 @@ class RoutingRecorder:
         return len(self.blocks)
 
     @staticmethod
-    def wanted(scheduled) -> list[tuple[object, int, int]]:
-        """(sequence, first flat row, rows) of each entry whose request asks for its routing."""
+    def wanted(scheduled, requests) -> list[tuple[object, int, int]]:
+        """(the rank's request, first position, first flat row, rows) of each entry (worker/step.py) whose
+        request asks for its routing."""
         spans, offset = [], 0
         for s in scheduled:
-            if getattr(s.seq.params, "return_routed_experts", False):
-                spans.append((s, offset, s.num_tokens))
-            offset += s.num_tokens
+            req = requests.get(s.req_id)
+            if req is not None and req.return_routed_experts:
+                spans.append((req, s.start, offset, s.num_query_tokens))
+            offset += s.num_query_tokens
         return spans
 
     @contextmanager
@@ -76,6 +78,6 @@ class RoutingRecorder:
         if len(got) != len(self.blocks):  # every MoE layer routes every token once
             raise RuntimeError(f"routing recorded for {len(got)} of {len(self.blocks)} MoE layers")
         ids = torch.stack(got, dim=1).to(torch.int32)  # [T, L, k]
-        return [RoutedExpertsChunk(s.seq.request_id, s.seq.index, s.start, ids[off:off + n])
-                for s, off, n in spans]
+        return [RoutedExpertsChunk(req.request_id, req.index, start, ids[off:off + n])
+                for req, start, off, n in spans]
 

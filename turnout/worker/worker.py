@@ -97,6 +97,10 @@ class Worker:
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
+    def check_weights(self, items) -> None:
+        """Raise, naming the weight, if ``items`` (name -> shape and dtype) would not load into this rank's model."""
+        self.runner.memory.check_weights(items)
+
     # ---- a step on a rank that does not sample ---------------------------------------------------
     @torch.inference_mode()
     def run_step(self, msg: bytes) -> None:

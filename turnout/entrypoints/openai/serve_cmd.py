@@ -16,8 +16,8 @@ import logging
 import signal
 
 from turnout import envs
-from turnout.engine.concurrency import MAX_DEFAULT_SEQS
 from turnout.entrypoints.engine_args import add_engine_args, add_vllm_noop_args, engine_kwargs, note_vllm_noop_args
+from turnout.worker.concurrency import MAX_DEFAULT_SEQS
 
 logger = logging.getLogger("turnout.serve")
 

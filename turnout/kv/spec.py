@@ -1,0 +1,242 @@
+"""What each layer stores in the KV cache, declared by the layer. Plain Python, no torch.
+
+A layer that keeps state across steps declares one spec (``Attention.kv_spec``); the runner sizes and
+allocates the cache from the specs, and the block manager learns from them how long a sequence must keep
+its blocks. Two kinds of storage:
+
+- **per token**, in paged blocks shared by every token-cache layer (one block table per sequence; block ``b``
+  of every such layer holds the same tokens): ``FullAttentionSpec`` (k and v), ``SlidingWindowSpec`` (k and
+  v, of which a query reads only the last ``window`` tokens), ``LatentSpec`` (one compressed vector per token,
+  ``kv_lora_rank + rope_dim`` wide, no separate k and v: DeepSeek-V3's multi-head latent attention);
+- **per request**, a fixed-size state in one slot per sequence whatever its length: ``StateSpec``
+  (recurrent layers: a convolution window and an SSM state, say).
+
+Layers with equal specs form a cache group (``CacheLayout.groups``); every layer still has its own tensors.
+The tensors of a token layer are ``[num_blocks, block_size, *shape]`` for each ``shape`` of
+``token_shapes``; those of a state layer ``[num_slots, *shape]`` for each of ``shapes``.
+
+Why one block table for every token group, rather than one per group: blocks are freed out of a window only
+when every token layer is a sliding one (Mistral), so a sequence's blocks stay bounded by the window. A model
+that mixes full and sliding layers (Gemma 2/3, GPT-OSS) keeps every block, since its full layers read them
+all; its sliding layers hold tokens they will not read again (the cost: their share of the cache, as if they
+were full layers). Per-group block tables would free those too, at the price of a block table and slot
+mapping per group in every step's metadata, kernel and CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# bytes per element of the storage dtypes a cache may use (torch's names, without "torch.")
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"KV cache dtype {dtype!r}: not one of {sorted(DTYPE_BYTES)}") from None
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def blocks_spanned(num_tokens: int, block_size: int) -> int:
+    """The most blocks ``num_tokens`` consecutive positions can touch (they may start anywhere in a block)."""
+    if num_tokens <= 0:
+        return 0
+    return -(-(num_tokens - 1) // block_size) + 1
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """k and v of every token: ``num_kv_heads`` heads of ``head_dim`` (this rank's heads under tensor
+    parallelism), stored as ``dtype``."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    per_token = True
+
+    def __post_init__(self):
+        if self.num_kv_heads < 1 or self.head_dim < 1:
+            raise ValueError(f"{type(self).__name__}: num_kv_heads and head_dim must be >= 1, got "
+                             f"{self.num_kv_heads}, {self.head_dim}")
+        dtype_bytes(self.dtype)
+
+    @property
+    def token_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(_prod(s) for s in self.token_shapes) * dtype_bytes(self.dtype)
+
+    @property
+    def keeps_all_tokens(self) -> bool:
+        """Whether a query may read any earlier token (so no block may be freed while the sequence lives)."""
+        return True
+
+    def max_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """The most blocks one sequence of up to ``num_tokens`` tokens holds at once for this layer, computed
+        at most ``chunk`` tokens a step."""
+        return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """k and v, of which the query at position p reads positions (p - window, p]: the last ``window``
+    tokens (Hugging Face's ``sliding_window``)."""
+
+    window: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.window < 1:
+            raise ValueError(f"SlidingWindowSpec: window must be >= 1, got {self.window}")
+
+    @property
+    def keeps_all_tokens(self) -> bool:
+        return False
+
+    def max_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        # a step computing positions [s, s + chunk) reads from s - window on (one token of margin: the block
+        # manager keeps it), so it spans window + chunk positions
+        return min(-(-num_tokens // block_size), blocks_spanned(self.window + max(chunk, 1), block_size))
+
+
+@dataclass(frozen=True)
+class LatentSpec:
+    """One compressed vector per token (multi-head latent attention): ``kv_lora_rank`` latent values and
+    ``rope_dim`` rotary key values, read by every head; no separate k and v."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: str
+
+    per_token = True
+
+    def __post_init__(self):
+        if self.kv_lora_rank < 1 or self.rope_dim < 0:
+            raise ValueError(f"LatentSpec: kv_lora_rank must be >= 1 and rope_dim >= 0, got {self.kv_lora_rank}, "
+                             f"{self.rope_dim}")
+        dtype_bytes(self.dtype)
+
+    @property
+    def token_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.kv_lora_rank + self.rope_dim,),)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return (self.kv_lora_rank + self.rope_dim) * dtype_bytes(self.dtype)
+
+    @property
+    def keeps_all_tokens(self) -> bool:
+        return True
+
+    def max_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A fixed-size state per request (recurrent layers): one tensor of each ``shapes[i]`` and ``dtypes[i]``
+    per sequence, whatever its length."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+    per_token = False
+
+    def __post_init__(self):
+        if not self.shapes or len(self.shapes) != len(self.dtypes):
+            raise ValueError(f"StateSpec: one dtype per shape, at least one shape; got {self.shapes}, {self.dtypes}")
+        for s, d in zip(self.shapes, self.dtypes):
+            if not all(isinstance(n, int) and n >= 1 for n in s):
+                raise ValueError(f"StateSpec: shape {s} must be positive ints")
+            dtype_bytes(d)
+
+    @property
+    def bytes_per_request(self) -> int:
+        return sum(_prod(s) * dtype_bytes(d) for s, d in zip(self.shapes, self.dtypes))
+
+
+TOKEN_SPECS = (FullAttentionSpec, SlidingWindowSpec, LatentSpec)
+KVSpec = FullAttentionSpec | SlidingWindowSpec | LatentSpec | StateSpec
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Layers (indices into the model's cache list) that store the same thing."""
+
+    spec: KVSpec
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The model's specs, one per cache-holding layer in the model's order, and what follows from them."""
+
+    specs: tuple[KVSpec, ...]
+
+    def __post_init__(self):
+        if not self.specs:
+            raise ValueError("CacheLayout: the model declares no KV cache spec (no attention layer found)")
+        for i, s in enumerate(self.specs):
+            if not isinstance(s, TOKEN_SPECS + (StateSpec,)):
+                raise ValueError(f"CacheLayout: layer {i} declares {s!r}, not a KV cache spec")
+
+    @property
+    def groups(self) -> tuple[CacheGroup, ...]:
+        """Layers with equal specs, in the order each spec first appears."""
+        by_spec: dict = {}
+        for i, s in enumerate(self.specs):
+            by_spec.setdefault(s, []).append(i)
+        return tuple(CacheGroup(s, tuple(layers)) for s, layers in by_spec.items())
+
+    @property
+    def token_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.specs) if s.per_token)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.specs) if not s.per_token)
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block across every token layer (what one block id stands for)."""
+        return block_size * sum(s.bytes_per_token for s in self.specs if s.per_token)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's state across every state layer (0 without such layers)."""
+        return sum(s.bytes_per_request for s in self.specs if not s.per_token)
+
+    @property
+    def window(self) -> int | None:
+        """How many of its latest tokens a sequence must keep in its blocks: the widest window when every
+        token layer is a sliding one, else None (some layer reads every token: keep all blocks)."""
+        token = [s for s in self.specs if s.per_token]
+        if not token or any(s.keeps_all_tokens for s in token):
+            return None
+        return max(s.window for s in token)
+
+    def max_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """The most blocks one sequence of up to ``num_tokens`` tokens holds at once (the shared table's:
+        the widest need of any token layer)."""
+        return max((s.max_blocks(num_tokens, block_size, chunk) for s in self.specs if s.per_token), default=0)
+
+    def describe(self) -> str:
+        parts = []
+        for g in self.groups:
+            s = g.spec
+            what = {FullAttentionSpec: "full", SlidingWindowSpec: f"sliding {getattr(s, 'window', 0)}",
+                    LatentSpec: "latent", StateSpec: "state"}[type(s)]
+            size = f"{s.bytes_per_token} B/token" if s.per_token else f"{s.bytes_per_request} B/request"
+            parts.append(f"{len(g.layers)} x {what} ({size})")
+        return ", ".join(parts)
