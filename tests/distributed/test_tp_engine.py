@@ -29,6 +29,23 @@ def _logprob(entry):
     return entry if isinstance(entry, float) else entry.logprob
 
 
+class _KnownByPrompt:
+    """A test draft proposer (engine/drafts.py): the next 3 tokens of a known continuation of each prompt,
+    the second of them wrong."""
+
+    def __init__(self, cont):
+        self.cont = cont
+
+    def propose(self, seqs):
+        out = {}
+        for seq in seqs:
+            d = list(self.cont[tuple(seq.prompt_token_ids)][seq.num_output_tokens:seq.num_output_tokens + 3])
+            if len(d) > 1:
+                d[1] = (d[1] + 1) % 320  # the vocabulary of tiny_path
+            out[seq.seq_id] = d
+        return out
+
+
 KW = dict(device="cpu", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True)
 
 
@@ -44,6 +61,13 @@ def test_llm_tp2_matches_tp1(tiny_path, reference):
     try:
         tokens, lps = _run(llm)
         assert llm.engine.scheduler.num_prefix_cached_tokens > 0
+        # multi-token steps: rank 1 computes the drafts' positions too (the flat step message carries them)
+        llm.engine.core.proposer = _KnownByPrompt(dict(zip(map(tuple, _prompts()), reference[0])))
+        try:
+            drafted, _ = _run(llm)
+        finally:
+            llm.engine.core.proposer = None
+        assert llm.engine.get_stats().accepted_draft_tokens_total > 0
         info = executor.collective_rpc("describe")
         assert [i["rank"] for i in info] == [0, 1] and all(i["tp_size"] == 2 for i in info)
         assert [i["embed_rows"] for i in info] == [160, 160] and [i["num_kv_heads"] for i in info] == [1, 1]
@@ -51,7 +75,7 @@ def test_llm_tp2_matches_tp1(tiny_path, reference):
         pids = [p.pid for p in executor._procs]
     finally:
         executor.shutdown()
-    assert tokens == ref_tokens
+    assert tokens == ref_tokens and drafted == ref_tokens
     for a, b in zip(lps, ref_lps):
         assert max(abs(_logprob(x) - _logprob(y)) for x, y in zip(a, b)) < 1e-4
     import os

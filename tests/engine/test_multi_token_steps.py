@@ -89,6 +89,7 @@ def test_k_known_tokens_in_one_step_give_the_logits_of_k_one_token_steps(llm, k)
         for want, have in zip(dists, got_dists):
             torch.testing.assert_close(have, want, atol=1e-5, rtol=0)
     runner.update_requests(SchedulerOutput(finished_req_ids=list(runner.requests)))
+    assert llm.engine.block_manager.reset_prefix_cache()  # the blocks written here hold no cached prefix
 
 
 class Known:
@@ -198,3 +199,58 @@ def test_stop_strings_inside_an_accepted_list():
     got, _ = _generate(llm, [prompt], params, Known(_continuations(base), 4))
     assert _summary(got) == _summary(want)
     assert got[0].outputs[0].finish_reason == "stop" and stop not in got[0].outputs[0].text
+
+
+def test_scheduler_reserves_caps_and_trims_draft_slots():
+    """The scheduler's half, no model: drafts get slots within the step's budget, max_tokens and
+    max_model_len; a cache without room runs the step without them (no preemption for a guess); kept drafts
+    count as computed and the blocks reserved only for rejected ones go back."""
+    from turnout.engine.scheduler import Scheduler
+    from turnout.engine.sequence import Sequence
+    from turnout.kv.block_manager import BlockManager
+
+    def decoding(sched, prompt_lens, max_tokens):
+        seqs = [Sequence(i, f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), seed=0)
+                for i, n in enumerate(prompt_lens)]
+        for seq in seqs:
+            sched.add(seq)
+        sched.postprocess(sched.schedule())
+        for seq in seqs:
+            seq.append_token(7)  # its first draw: now decoding
+        return seqs
+
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=20)
+    (seq,) = decoding(sched, [6], max_tokens=10)  # 7 tokens, 6 computed, 2 blocks
+    out = sched.schedule({0: [11, 12, 13, 14]})
+    (entry,) = out.scheduled
+    assert (entry.start, entry.num_tokens, entry.draft_token_ids) == (6, 1, [11, 12, 13, 14])
+    assert out.num_batched_tokens == 5 and len(seq.block_table) == 3  # slots up to position 10
+    sched.postprocess(out)
+    assert seq.num_computed_tokens == 7
+    for tok in (11, 99):  # the rank kept draft 11 and drew 99 after it
+        seq.append_token(tok)
+    sched.accept_drafts(entry, 1)
+    assert seq.num_computed_tokens == 8 and len(seq.block_table) == bm.blocks_for(seq.num_tokens) == 3
+    assert bm.num_free_blocks == 8 - 3
+    # capped by max_tokens: 3 output tokens of 10, so 6 drafts at most (the draw after them is the 10th)
+    out = sched.schedule({0: list(range(20, 30))})
+    assert out.scheduled[0].draft_token_ids == list(range(20, 26)) and len(seq.block_table) == 4
+    sched.postprocess(out)
+    seq.append_token(5)
+    sched.accept_drafts(out.scheduled[0], 0)  # every draft rejected: back to the blocks its tokens need
+    assert seq.num_computed_tokens == 9 and len(seq.block_table) == bm.blocks_for(10) == 3
+    # capped by max_model_len (20) and the step's budget (8 tokens)
+    sched2 = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=20)
+    decoding(sched2, [16, 3], max_tokens=None)
+    sched2.max_num_batched_tokens = 8
+    out = sched2.schedule({0: list(range(10)), 1: list(range(10))})
+    by_id = {e.seq.seq_id: e for e in out.scheduled}
+    assert len(by_id[0].draft_token_ids) == 20 - 17 - 1 and len(by_id[1].draft_token_ids) == 8 - 3 - 1
+    assert out.num_batched_tokens == 8
+    # a cache without room for the drafts: the step runs its one token, and preempts no one for a guess
+    sched3 = Scheduler(BlockManager(4, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16)
+    decoding(sched3, [7, 7], max_tokens=None)  # 2 blocks each: the cache is full
+    out = sched3.schedule({0: [1, 2, 3], 1: [1]})
+    assert [e.draft_token_ids for e in out.scheduled] == [[], []] and not out.preempted
+    assert [e.num_tokens for e in out.scheduled] == [1, 1]

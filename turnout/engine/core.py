@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from turnout.engine.core_outputs import CoreOutput, SampledToken
-from turnout.engine.drafts import DraftProposer, draftable
+from turnout.engine.drafts import DraftProposer, propose
 from turnout.engine.scheduler import Scheduler, SchedulerOutput
 from turnout.engine.sequence import Sequence, SequenceStatus
 from turnout.engine.step_inputs import StepInputs
@@ -136,8 +136,7 @@ class EngineCore:
     def _propose(self) -> dict[int, list[int]] | None:
         if self.proposer is None:
             return None
-        seqs = [s for s in self.scheduler.running if draftable(s)]
-        return self.proposer.propose(seqs) if seqs else None
+        return propose(self.proposer, self.scheduler.running, self.runner.vocab_size)
 
     def update(self, ended: list[tuple[Sequence, SequenceStatus]], failed: list[str]) -> None:
         """After output processing: end the sequences that stopped and the requests that failed there;

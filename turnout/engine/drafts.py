@@ -25,3 +25,16 @@ class DraftProposer(Protocol):
 def draftable(seq: Sequence) -> bool:
     """A running sequence decoding one token, with no grammar and no samples still to fork."""
     return seq.num_tokens - seq.num_computed_tokens == 1 and seq.grammar is None and seq.n == 1
+
+
+def propose(proposer: DraftProposer, running: list[Sequence], vocab_size: int) -> dict[int, list[int]] | None:
+    """The proposer's drafts for the draftable ``running`` sequences; a draft outside the vocabulary ends the
+    guess there (it would index nothing)."""
+    seqs = [s for s in running if draftable(s)]
+    if not seqs:
+        return None
+    drafts = {}
+    for seq_id, d in proposer.propose(seqs).items():
+        ok = next((i for i, t in enumerate(d) if not (isinstance(t, int) and 0 <= t < vocab_size)), len(d))
+        drafts[seq_id] = list(d[:ok])
+    return drafts

@@ -174,7 +174,7 @@ class Scheduler:
             entry = entries.pop(victim.seq_id, None)
             undo = ()
             if entry is not None:  # scheduled earlier in this step: undo
-                budget += entry.num_tokens
+                budget += entry.num_tokens + len(entry.draft_token_ids)
                 undo = copies.pop(victim.seq_id, ())
             self._preempt(victim, undo)
             preempted.append(victim)
