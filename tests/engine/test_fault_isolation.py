@@ -115,7 +115,6 @@ def test_fault_in_step_inputs(llm, monkeypatch):
 
 
 def test_fault_in_sampling_inputs(llm, monkeypatch):
-    runner = llm.engine.runner
     real = step_sampling.lane_values
     boom = _fail_on_call(5, "sampling")
 

@@ -123,7 +123,7 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, st.seq.num_cached_tokens)
             try:
                 # a multi-token step's tokens in order: the first that ends the sample cuts the rest
-                for i, tok in enumerate(st.tokens):
+                for i in range(len(st.tokens)):
                     self.generation_tokens_total += 1
                     status = self._emit(state, st, i)
                     if status is not None:
