@@ -72,7 +72,6 @@ BAD_REQUESTS = [
     (COMP, {"prompt": "x", "stream": "yes"}, 400, "stream"),
     (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (COMP, {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
-    (COMP, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     (COMP, {"prompt": ["a"] * 1000}, 400, "prompt"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {}, 400, "messages"),
