@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from turnout.engine.core_outputs import CoreOutput, SampledToken
 from turnout.engine.drafts import DraftProposer, propose
-from turnout.engine.scheduler import Scheduler, SchedulerOutput
+from turnout.engine.scheduler import Scheduler
+from turnout.engine.scheduler_output import SchedulerOutput
 from turnout.engine.sequence import Sequence, SequenceStatus
 from turnout.engine.step_inputs import StepInputs
 from turnout.worker.step import RequestFaults

@@ -7,7 +7,7 @@ reused (Scheduler.new_seq_id), so a request that failed before the rank kept it 
 
 from __future__ import annotations
 
-from turnout.engine.scheduler import SchedulerOutput as Schedule
+from turnout.engine.scheduler_output import SchedulerOutput as Schedule
 from turnout.engine.sequence import Sequence
 from turnout.worker.step import (
     NewRequest,
