@@ -75,7 +75,7 @@ def measure(fn, inputs, w13, w2) -> tuple[float | None, float, str]:
 
 def implementations(platform, tokens: int, k: int, e: int):
     from turnout.ops import Policy, build_registry
-    from turnout.ops.dispatch import resolve_op
+    from turnout.ops.resolution import resolve_op
     from turnout.ops.triton import moe as triton_moe
     from turnout.ops.triton.moe_decode import moe_experts_decode, use_decode
 

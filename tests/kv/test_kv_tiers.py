@@ -10,7 +10,7 @@ import torch
 
 from turnout.engine.llm import LLM
 from turnout.engine.sampling_params import SamplingParams
-from turnout.worker.kv_transfer import LayerGatedCaches
+from turnout.worker.layer_gate import LayerGatedCaches
 
 SMALL_KV = 8 * 737280  # 8 blocks of SmolLM2 in float32: far fewer than the requests below need at once
 NO_SWAP_OPS = "swap_layer_async=vendor.cuda;swap_layer=vendor.cuda;swap_blocks=vendor"  # nothing serves them on cpu

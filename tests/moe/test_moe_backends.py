@@ -11,8 +11,8 @@ import torch
 from turnout.layers.moe.layer import SparseMoeBlock
 from turnout.layers.moe.router import RoutingConfig, select_experts
 from turnout.ops import Policy, build_registry, resolve
-from turnout.ops.dispatch import resolve_op
 from turnout.ops.reference.moe import moe_experts as reference_moe
+from turnout.ops.resolution import resolve_op
 from turnout.platforms.detect import detect_platform
 
 PLATFORM = detect_platform("auto")

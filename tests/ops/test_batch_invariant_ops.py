@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from turnout.ops.batch_invariant import INVARIANT_OPS
-from turnout.ops.dispatch import resolve_op
 from turnout.ops.policy import Policy
 from turnout.ops.reference.rotary import make_cos_sin_cache
 from turnout.ops.registry import default_registry
+from turnout.ops.resolution import resolve_op
 from turnout.platforms import detect_platform
 
 PLATFORM = detect_platform("auto")

@@ -15,9 +15,9 @@ from turnout import envs
 from turnout.entrypoints import cli
 from turnout.ops import Policy, PolicyError, build_registry, doctor, resolve
 from turnout.ops.conformance import run_conformance
-from turnout.ops.dispatch import resolve_op
 from turnout.ops.reference.attention import paged_attention as reference_attention
 from turnout.ops.reference.moe import moe_experts as reference_moe
+from turnout.ops.resolution import resolve_op
 from turnout.ops.triton import attention as triton_attention
 from turnout.ops.triton import moe as triton_moe
 from turnout.platforms import Platform

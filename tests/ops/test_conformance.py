@@ -14,8 +14,8 @@ import pytest
 
 from turnout.ops import default_registry
 from turnout.ops.conformance import interpreter_skip_reason, iter_cases, run_case
-from turnout.ops.dispatch import resolve_op
 from turnout.ops.policy import Policy
+from turnout.ops.resolution import resolve_op
 from turnout.platforms import detect_platform
 
 

@@ -19,8 +19,8 @@ from turnout.ops import (
     log_table,
     resolve,
 )
-from turnout.ops.dispatch import resolve_op
 from turnout.ops.reference import norm as ref_norm
+from turnout.ops.resolution import resolve_op
 from turnout.platforms import Platform
 
 CPU = Platform(name="cpu", device_type="cpu", dist_backend="gloo", family_order=("vendor", "reference", "triton"))

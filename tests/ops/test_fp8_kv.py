@@ -18,10 +18,10 @@ import torch
 
 from turnout.ops import Policy, resolve
 from turnout.ops.conformance import compare_tensors, interpreter_skip_reason, iter_cases, poisoned_allocations
-from turnout.ops.dispatch import resolve_op
 from turnout.ops.kv_cache import FP8_KV, FP8_KV_OPS, handles_fp8
 from turnout.ops.reference.cache import from_cache, to_cache
 from turnout.ops.registry import default_registry
+from turnout.ops.resolution import resolve_op
 from turnout.platforms import detect_platform
 
 FP8_POLICY = Policy.parse("kv_cache=fp8", source="test")

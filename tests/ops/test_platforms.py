@@ -226,7 +226,7 @@ def test_platform_without_triton_backend_is_not_served_by_triton():
 
 def test_host_platform_takes_triton_only_under_the_interpreter(monkeypatch):
     from turnout.ops import build_registry
-    from turnout.ops.dispatch import resolve_op
+    from turnout.ops.resolution import resolve_op
 
     plat = cpu.probe()[0]
     assert plat.takes_triton and not plat.triton_backend  # a candidate, ranked after the reference

@@ -3,9 +3,10 @@
 See docs/ops.md: adding an op, an implementation or a vendor plugin; the TURNOUT_OPS grammar; fallback.
 """
 
-from turnout.ops.dispatch import Candidate, OpFailedError, OpTable, OpUnavailableError, Resolution, log_table, resolve
+from turnout.ops.dispatch import OpFailedError, OpTable, OpUnavailableError, log_table, resolve
 from turnout.ops.policy import Policy, PolicyError
 from turnout.ops.registry import PluginReport, Registry, build_registry, default_registry
+from turnout.ops.resolution import Candidate, Resolution
 from turnout.ops.spec import KNOWN_FAMILIES, Impl, ImplUnavailable, OpSpec, SampleCase
 
 __all__ = ["KNOWN_FAMILIES", "Candidate", "Impl", "ImplUnavailable", "OpFailedError", "OpSpec", "OpTable",

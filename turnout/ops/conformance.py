@@ -165,8 +165,8 @@ def run_conformance(table_or_registry, platform, ops: list[str] | None = None, s
                     policy=None) -> list[CaseResult]:
     """Run every available non-reference implementation of each op (not denied by the policy) on its
     sample inputs, against the reference."""
-    from turnout.ops.dispatch import resolve_op
     from turnout.ops.policy import Policy
+    from turnout.ops.resolution import resolve_op
 
     registry = getattr(table_or_registry, "_registry", table_or_registry)
     policy = policy or getattr(table_or_registry, "policy", None) or Policy.from_sources(platform=platform)

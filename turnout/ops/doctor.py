@@ -14,9 +14,9 @@ import re
 import sys
 from pathlib import Path
 
-from turnout.ops.dispatch import resolve_op
 from turnout.ops.policy import Policy
 from turnout.ops.registry import Registry, default_registry
+from turnout.ops.resolution import resolve_op
 
 
 def _select_ops(registry: Registry, ops: list[str] | None) -> list[str]:

@@ -5,23 +5,10 @@ GPU, set the pace. ``DecodeGraphs`` captures ``model.forward`` + ``compute_logit
 batch size and replays them. Only pure-decode steps replay (every scheduled sequence adds one token and
 samples); prefill and mixed steps run eagerly.
 
-Static buffers, shared by all buckets (bucket ``b`` uses rows ``[:b]``):
-``input_ids``, ``positions``, ``slot_mapping`` [max_bs]; ``block_tables`` [max_bs, max_blocks_per_seq];
-``seq_lens`` [max_bs]; ``query_start_loc`` [max_bs + 1] = 0, 1, 2, ... (one token a lane, never changes);
-``logits`` [max_bs, V] f32 (each graph copies its logits there: the graphs' outputs share memory, and
-the graphs share one memory pool for everything else, captured largest first).
-
-``positions``, ``slot_mapping``, ``seq_lens`` and ``block_tables`` are views of one int32 buffer, so a step's
-inputs go up in one copy: the host fills a pinned buffer of the same layout (two, used in turn), a side
-stream copies it to a device staging buffer (two) while the previous step still runs, and the step
-itself makes one device-to-device copy before the replay (before, four host-to-device copies waited in
-line, ~3 µs each of the step's GPU timeline). The copy covers the 1-D inputs of every row and the block-table rows of the
-live lanes; other block-table rows keep earlier (valid) block ids.
-
-Padding lanes (rows ``n .. b-1`` of a batch of ``n`` replayed in bucket ``b``) write nowhere (slot -1) and
-attend to one token of block 0 (seq_len 1, a valid block id): finite garbage that nobody reads. The
-invariant: every row at or beyond the last live batch size holds padding values; each pinned buffer
-re-pads the rows it held live before and does not now, and its copy carries them.
+The static inputs every graph reads (one buffer shared by all buckets, filled each step in one copy) and
+their padding lanes are worker/graph_inputs.py; each graph copies its logits into one shared ``logits``
+[max_bs, V] f32 (the graphs' outputs share memory, and the graphs share one memory pool for everything
+else, captured largest first).
 
 Capture uses ``max_seq_len = max_model_len``: the attention kernels take it as a host int that sizes
 their grid, and read each sequence's real length from ``seq_lens`` on the device.
@@ -55,6 +42,7 @@ from turnout.worker.graph_buckets import (  # noqa: F401
     is_graphable,
     multi_token_buckets,
 )
+from turnout.worker.graph_inputs import StaticInputs
 
 logger = logging.getLogger(__name__)
 
@@ -78,47 +66,12 @@ class DecodeGraphs:
         self.capture_s = 0.0
         self.num_replays = 0
         self.num_multi_token_replays = 0  # of those, at a query length > 1
-        bs, dev = self.buckets[-1], self.device
-        cuda = dev.type == "cuda"
-        self._upload = upload_stream if cuda else None
-        with torch.inference_mode():
-            self.input_ids = torch.zeros(bs, dtype=torch.long, device=dev)
-            self._inputs = torch.empty(self._words(bs), dtype=torch.int32, device=dev)
-            self.positions, self.slot_mapping, self.seq_lens, self.block_tables = self._views(self._inputs)
-            self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=dev)
-            self._multi_qsl = {q: torch.arange(0, (bs // q + 1) * q, q, dtype=torch.int32, device=dev)
-                               for q in self.multi_buckets}
-            # pinned host buffers and device staging buffers, two of each, used in turn
-            self._host = [torch.empty(self._words(bs), dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
-            self._staging = [torch.empty_like(self._inputs) for _ in range(2)] if self._upload is not None else []
-            for buf in self._host:
-                self._pad(self._views(buf), 0)
-            self._inputs.copy_(self._host[0])
-        self._host_filled = [0, 0]  # rows [0, k) of pinned buffer i may hold live values; rows beyond, padding
-        self._uploaded = [torch.cuda.Event() for _ in range(2)] if cuda else []  # staging i written
-        self._consumed = [torch.cuda.Event() for _ in range(2)] if cuda else []  # staging i read
-        self._turn = 0
+        self.inputs = StaticInputs(self.buckets[-1], self.max_blocks, self.device, upload_stream,
+                                   list(self.multi_buckets))
+        inp = self.inputs  # the buffers the graphs read, under the names capture and the benchmarks use
+        self.input_ids, self.positions, self.slot_mapping = inp.input_ids, inp.positions, inp.slot_mapping
+        self.seq_lens, self.block_tables, self.query_start_loc = inp.seq_lens, inp.block_tables, inp.query_start_loc
         self.logits: torch.Tensor | None = None  # [max_bs, V] f32, made by the first warm-up (V as computed)
-
-    def _words(self, rows: int) -> int:
-        """int32 words of the inputs buffer up to the end of block-table row ``rows``: positions and slots
-        (int64, all rows), seq_lens (all rows), then the block tables row by row."""
-        return 5 * self.buckets[-1] + rows * self.max_blocks
-
-    def _views(self, buf: torch.Tensor):
-        """(positions i64 [bs], slot_mapping i64 [bs], seq_lens i32 [bs], block_tables i32 [bs, max_blocks])."""
-        bs = self.buckets[-1]
-        return (buf[:2 * bs].view(torch.int64), buf[2 * bs:4 * bs].view(torch.int64), buf[4 * bs:5 * bs],
-                buf[5 * bs:].view(bs, self.max_blocks))
-
-    @staticmethod
-    def _pad(views, start: int, stop: int | None = None) -> None:
-        positions, slots, seq_lens, tables = views
-        positions[start:stop] = 0
-        slots[start:stop] = -1
-        seq_lens[start:stop] = 1
-        if start == 0 and stop is None:
-            tables.zero_()
 
     @property
     def enabled(self) -> bool:
@@ -132,7 +85,7 @@ class DecodeGraphs:
         return out
 
     def _meta(self, b: int, q: int = 1) -> AttentionMetadata:
-        qsl = self.query_start_loc if q == 1 else self._multi_qsl[q]
+        qsl = self.query_start_loc if q == 1 else self.inputs.multi_qsl[q]
         return AttentionMetadata(slot_mapping=self.slot_mapping[:b * q], block_tables=self.block_tables[:b],
                                  seq_lens=self.seq_lens[:b], query_start_loc=qsl[:b + 1],
                                  max_query_len=q, max_seq_len=self.max_model_len)
@@ -237,40 +190,7 @@ class DecodeGraphs:
         previous step's sampled tokens). Returns logits [tokens, vocab] f32, a view valid until the next replay."""
         t, n, q = int(input_ids.shape[0]), int(meta.seq_lens.shape[0]), meta.max_query_len
         b = bucket_for(n, self.buckets if q == 1 else self.multi_buckets[q])
-        width = int(meta.block_tables.shape[1])
-        i = self._turn
-        self._turn ^= 1
-        host = self._host[i]
-        if self._uploaded:
-            self._uploaded[i].synchronize()  # the copy that last read this pinned buffer (two steps ago) is done
-        positions_h, slots_h, seq_lens_h, tables_h = views = self._views(host)
-        positions_h[:t] = positions
-        slots_h[:t] = meta.slot_mapping
-        seq_lens_h[:n] = meta.seq_lens
-        if q > 1:
-            seq_lens_h[n:b] = q  # padding sequences of q tokens
-        # Columns beyond `width` keep stale (valid) block ids: kernels read only ceil(seq_len / block_size).
-        tables_h[:n, :width] = meta.block_tables
-        filled = max(t, b) if q > 1 else n  # rows (token or sequence) holding other than padding values
-        if filled < self._host_filled[i]:  # re-pad the rows this buffer held live before and does not now
-            self._pad(views, filled, self._host_filled[i])
-        self._host_filled[i] = filled
-        words = self._words(n)
-        if self._upload is not None:  # up on the side stream, in one device-to-device copy here
-            main = torch.cuda.current_stream(self.device)
-            staging = self._staging[i]
-            with torch.cuda.stream(self._upload):
-                self._upload.wait_event(self._consumed[i])  # the step that last read staging i has copied it
-                staging[:words].copy_(host[:words], non_blocking=True)
-                self._uploaded[i].record(self._upload)
-            main.wait_event(self._uploaded[i])
-            self._inputs[:words].copy_(staging[:words], non_blocking=True)
-            self._consumed[i].record(main)
-        else:
-            self._inputs[:words].copy_(host[:words], non_blocking=True)
-            if self._uploaded:
-                self._uploaded[i].record()
-        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.inputs.load(input_ids, positions, meta, b)
         (self.graphs[b] if q == 1 else self.multi[(b, q)]).replay()
         self.num_replays += 1
         self.num_multi_token_replays += q > 1

@@ -4,10 +4,10 @@ The block manager and the scheduler decide (plain Python: kv/block_manager.py, k
 engine/scheduler.py); this moves the bytes, through the swap ops of the dispatch layer. Three ways to
 bring blocks back in, the first the op table serves (each one skipped is named with why at start-up):
 
-1. ``async per layer`` (``swap_layer_async``): every layer's copy is queued at once on a side stream,
-   which first waits for the work already queued on the compute stream (the blocks' previous owner);
-   the forward waits on layer i's own event just before layer i (``LayerGatedCaches``), so the copy of
-   layer i+1 runs while layer i computes.
+1. ``async per layer`` (``swap_layer_async``): each layer's copy is queued ``ASYNC_AHEAD`` layers ahead of
+   the forward on a side stream, which first waits for the work already queued on the compute stream (the
+   blocks' previous owner); the forward waits on layer i's own event just before layer i
+   (``LayerGatedCaches``, worker/layer_gate.py), so the copy of layer i+1 runs while layer i computes.
 2. ``sync per layer`` (``swap_layer``): layer i's copy runs in line, just before layer i.
 3. ``whole cache`` (``swap_blocks``, one tensor at a time): every layer before the forward.
 
@@ -26,23 +26,22 @@ ops policy there is no such fallback (the guard's error is raised).
 Under tensor parallelism every rank holds its shard of each block (its KV heads) and its own host caches of the
 same block count; the driver rank's runner sends each step's swap-outs and swap-ins to the other ranks (step
 messages, turnout/worker/step_codec.py) ahead of the step, and each rank runs them through its own op table
-and gate. The start-up measurements of auto run on every rank at the same point (the probe forward's
-collectives meet); the driver's decide.
+and gate. The start-up measurements of auto (worker/kv_measure.py) run on every rank at the same point (the
+probe forward's collectives meet); the driver's decide.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 import weakref
-from collections.abc import Sequence
 
 import torch
 
 from turnout.kv.preemption import Preemption
-from turnout.layers.attention import AttentionMetadata
 from turnout.ops import OpFailedError
+from turnout.worker import kv_measure
 from turnout.worker.kv_sizing import allocate_caches, block_caches, state_caches
+from turnout.worker.layer_gate import LayerGate
 
 logger = logging.getLogger(__name__)
 
@@ -68,46 +67,6 @@ def choose_strategy(ops, failed: dict[str, str] | None = None) -> tuple[tuple[st
         why = failed.get(op) or ("not in the op table" if res is None else (res.error or "no implementation"))
         skipped.append((op, why))
     return None, skipped
-
-
-class LayerGate:
-    """What must happen before layer i of this step's forward reads its cache: wait for its async copy
-    (an event), or run its in-line copy. Each layer's action runs once."""
-
-    def __init__(self, num_layers: int, before):
-        self._before = before  # before(i): the layer's wait or copy
-        self._done = [False] * num_layers
-
-    def layer(self, i: int) -> None:
-        if not self._done[i]:
-            self._done[i] = True
-            self._before(i)
-
-    def finish(self) -> None:
-        """Every layer's wait or copy (before a CUDA-graph replay, which reads every layer)."""
-        for i in range(len(self._done)):
-            self.layer(i)
-
-
-class LayerGatedCaches(Sequence):
-    """The per-layer caches as the model sees them for one step: fetching layer i (the decoder zips its
-    layers with this, so layer i is fetched just before it runs) first passes that layer's gate."""
-
-    def __init__(self, caches, gate: LayerGate):
-        self._caches, self._gate = caches, gate
-
-    def __len__(self) -> int:
-        return len(self._caches)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        self._gate.layer(i if i >= 0 else len(self) + i)
-        return self._caches[i]
-
-    def __iter__(self):
-        for i in range(len(self)):
-            yield self[i]
 
 
 class KVTransfer:
@@ -158,7 +117,7 @@ class KVTransfer:
                 self._stream = self._mod.Stream(dev)
         self.copy_bytes_per_s = self.prefill_tokens_per_s = 0.0
         if mode == "auto":
-            self._measure(config)
+            self.copy_bytes_per_s, self.prefill_tokens_per_s = kv_measure.measure_costs(self, config)
         self.preemption = Preemption(mode, bb, self.copy_bytes_per_s, self.prefill_tokens_per_s)
         if self.strategy is not None:
             logger.info("KV tiers: preemption %s; swap ops: %s (%s)%s; swap pool %d blocks, host prefix tier %d "
@@ -182,99 +141,9 @@ class KVTransfer:
         layout = self.runner.cache_layout
         return block_caches(self.runner.kv_caches, layout), block_caches(self.host_caches, layout)
 
-    def _sync(self) -> None:
-        if self.runner.device.type != "cpu":
-            self.runner.platform.synchronize()
-
-    @torch.inference_mode()
-    def _measure(self, config) -> None:
-        """Copy bandwidth (blocks out and back) and prefill rate (one forward into blocks nothing owns yet), each
-        the best of two runs: cheap, and enough to compare the two costs. On a GPU at the sizes a preemption
-        moves (64 blocks, a 512-token chunk): at 8 blocks and 32 tokens the H200 measured launch overhead, 5.9
-        GB/s and 759 tokens/s against ~50 GB/s and ~50k tokens/s (docs/benchmarks.md, eleventh session). On a
-        CPU the small sizes keep every engine's start-up short."""
-        r = self.runner
-        blocks, chunk = (64, 512) if r.platform.is_gpu else (8, 32)
-        n = max(1, min(blocks, self.num_host_blocks, r.num_blocks))
-        pairs = [(i, i) for i in range(n)]
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            self.swap_out(pairs)
-            gate = self.swap_in(pairs)
-            if gate is not None:
-                gate.finish()
-            self._sync()
-            best = min(best, time.perf_counter() - t0)
-        self.copy_bytes_per_s = 2 * n * r.block_bytes / best
-        tokens = max(1, min(chunk, config.max_num_batched_tokens, r.num_blocks * r.block_size, r.max_model_len))
-        forward = self._probe_forward(tokens)
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            forward(r.kv_caches)
-            self._sync()
-            best = min(best, time.perf_counter() - t0)
-        self.prefill_tokens_per_s = tokens / best
-
-    def _probe_forward(self, tokens: int):
-        """A forward of one ``tokens``-token sequence into device blocks [0, ceil(tokens / block_size)),
-        as ``run(caches)``: for measurements taken before any request owns a block."""
-        r = self.runner
-        dev = r.device
-        nb = -(-tokens // r.block_size)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens, dtype=torch.long, device=dev),
-            block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
-            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
-            max_query_len=tokens, max_seq_len=tokens)
-        ids = torch.zeros(tokens, dtype=torch.long, device=dev)
-        pos = torch.arange(tokens, device=dev)
-        return lambda caches: r.model(ids, pos, caches, meta)
-
-    @torch.inference_mode()
     def measure_overlap(self, num_blocks: int = 64, tokens: int = 2048, iters: int = 5) -> dict:
-        """How much of the per-layer async swap-in hides behind the forward, from device events: the copy
-        of ``num_blocks`` blocks (every layer) alone, a ``tokens``-token forward alone, and the forward with
-        that swap-in gated layer by layer (hidden = 1 - (with - alone) / copy). Medians of ``iters``
-        interleaved runs. Only before any request owns a block (it writes blocks nothing owns yet)."""
-        r = self.runner
-        if r.config.tensor_parallel_size > 1:  # its forwards would meet no peer in their collectives
-            return {"hidden": None, "why": "n/a (measured on one rank only: tensor_parallel_size 1)"}
-        if self.strategy is None or self.strategy[1] != "swap_layer_async" or not self.num_host_blocks:
-            why = ("no device streams" if not r.platform.is_gpu else
-                   "no host blocks" if not self.num_host_blocks else f"swap-ins run {self.strategy and self.strategy[0]}")
-            return {"hidden": None, "why": f"n/a ({why})"}
-        tokens = max(1, min(tokens, self.runner.config.max_num_batched_tokens))
-        first = -(-tokens // r.block_size)
-        n = min(num_blocks, self.num_host_blocks, r.num_blocks - first)
-        pairs = [(h, first + h) for h in range(n)]
-        forward = self._probe_forward(tokens)
-        main = self._mod.current_stream(r.device)
-
-        def timed(fn) -> float:
-            a, b = self._mod.Event(enable_timing=True), self._mod.Event(enable_timing=True)
-            a.record(main)
-            fn()
-            b.record(main)
-            b.synchronize()
-            return a.elapsed_time(b)
-
-        runs = {"copy": lambda: self.swap_in(pairs).finish(), "forward": lambda: forward(r.kv_caches),
-                "forward_with_swap_in": lambda: forward(LayerGatedCaches(r.kv_caches, self.swap_in(pairs)))}
-        ms = {k: [] for k in runs}
-        for i in range(iters + 1):  # the first round warms up
-            for k, fn in runs.items():
-                t = timed(fn)
-                if i:
-                    ms[k].append(t)
-        med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
-        extra = max(0.0, med["forward_with_swap_in"] - med["forward"])
-        return {"hidden": max(0.0, 1.0 - extra / med["copy"]) if med["copy"] > 0 else None, "blocks": n,
-                "forward_tokens": tokens, "copy_ms": med["copy"], "copy_per_layer_ms": med["copy"] / len(r.kv_caches),
-                "forward_ms": med["forward"], "forward_with_swap_in_ms": med["forward_with_swap_in"],
-                "copy_GB_s": n * r.block_bytes / med["copy"] / 1e6 if med["copy"] > 0 else None}
+        """How much of the per-layer async swap-in hides behind the forward (worker/kv_measure.py)."""
+        return kv_measure.measure_overlap(self, num_blocks, tokens, iters)
 
     # ---- the copies ---------------------------------------------------------------------------
     def _call(self, op: str, src, dst, m, stream=None):
@@ -366,8 +235,8 @@ class KVTransfer:
         """The gate's action for the async strategy: issue the copies up to layer i + ASYNC_AHEAD, then make
         the compute stream wait for layer i's. Issued a few layers ahead of the forward rather than all before
         it, the copies' host time (a launch per layer) is spread among the forward's own launches instead of
-        delaying its first one (on the H200, issuing 36 layers up front delayed the forward by about the
-        copy's whole duration: docs/benchmarks.md). A copy that fails on its first call drops the op; the
+        delaying its first one (on an H200, issuing 36 layers up front delayed the forward by about the
+        copy's whole duration: docs/benchmarks.md, "H200: KV swaps as one kernel a layer"). A copy that fails on its first call drops the op; the
         layers not yet issued are copied in line, on the compute stream."""
         n = len(caches)
 

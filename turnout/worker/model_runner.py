@@ -11,7 +11,8 @@ from turnout.layers.attention import AttentionMetadata
 from turnout.worker.concurrency import default_max_num_seqs
 from turnout.worker.cuda_graphs import maybe_capture
 from turnout.worker.kv_sizing import allocate_caches, kv_dtype, model_cache_layout, plan_kv_blocks
-from turnout.worker.kv_transfer import KVTransfer, LayerGatedCaches
+from turnout.worker.kv_transfer import KVTransfer
+from turnout.worker.layer_gate import LayerGatedCaches
 from turnout.worker.prompt_logprobs import compute_chunks, merge_rows, prompt_rows
 from turnout.worker.rank_memory import RankMemory
 from turnout.worker.routed_experts import RoutingRecorder

@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from turnout.worker import step_codec
-from turnout.worker.kv_transfer import LayerGatedCaches
+from turnout.worker.layer_gate import LayerGatedCaches
 
 logger = logging.getLogger(__name__)
 
