@@ -1,5 +1,7 @@
 """`turnout bench latency | throughput`: vLLM-style benchmarks on random token prompts (ignore_eos).
 (`turnout bench serve`, which loads a running server instead, lives in bench_serve.py.)
+This module parses the flags, builds the engine and assembles the result; the timed steps and the figures
+made of them are bench_measure.py's, the result's fields and printed table bench_report.py's.
 
 latency: ``--batch-size`` prompts of ``--input-len`` tokens, ``--output-len`` tokens each, ``--num-iters``
 times (fresh prompts each time, so the prefix cache never helps). Every ``engine.step()`` is timed: the

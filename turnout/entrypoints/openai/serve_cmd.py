@@ -7,6 +7,9 @@ Exit status: 0 after a drain; 1 when the model failed to load or the engine died
 fault no request owns: a lost device, a broken kernel) fails every waiting client at once, and the
 process exits 1 --dead-engine-grace seconds later, so that systemd, Kubernetes or Ray restarts it; a
 signal to a server whose engine is dead exits 1 too. 2: a bad flag or an address already in use.
+
+This module holds the flags and wires the app; the listening socket and the draining uvicorn server are
+serve_lifecycle.py's.
 """
 
 from __future__ import annotations
