@@ -32,7 +32,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from turnout.entrypoints.bench_cmd import random_prompts, resolve_model  # noqa: E402
+from turnout.entrypoints.bench_models import random_prompts, resolve_model  # noqa: E402
 from turnout.utils.roofline import machine  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -102,7 +102,7 @@ def load_into_turnout(llm, hf_model) -> set:
 def make_turnout(config_dir: str, dtype: str, device: str, max_model_len: int, kv_cache_memory: int | None,
                  enforce_eager: bool = False, max_num_seqs: int = 8):
     from turnout.engine.llm import LLM
-    from turnout.entrypoints.bench_cmd import bench_tokenizer
+    from turnout.entrypoints.bench_models import bench_tokenizer
 
     return LLM(model=config_dir, load_format="dummy", dtype=dtype, device=device, max_model_len=max_model_len,
                kv_cache_memory=kv_cache_memory, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,

@@ -77,7 +77,8 @@ def implementations(platform, tokens: int, k: int, e: int):
     from turnout.ops import Policy, build_registry
     from turnout.ops.resolution import resolve_op
     from turnout.ops.triton import moe as triton_moe
-    from turnout.ops.triton.moe_decode import moe_experts_decode, use_decode
+    from turnout.ops.triton.moe_decode import moe_experts_decode
+    from turnout.ops.triton.moe_decode_config import use_decode
 
     res = resolve_op("moe_experts", build_registry(), platform, Policy())
     impls = {c.impl: c.fn for c in res.candidates if c.available and c.impl != "reference.torch"}
@@ -103,7 +104,7 @@ def implementations(platform, tokens: int, k: int, e: int):
 
 def sweep_configs():
     """Decode tile configs: the down kernel's grid first (gate/up at its default), then gate/up's."""
-    from turnout.ops.triton.moe_decode import DEFAULT_CONFIG, DecodeConfig
+    from turnout.ops.triton.moe_decode_config import DEFAULT_CONFIG, DecodeConfig
 
     out = {}
     for bn in (32, 64, 128):

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main():
     from turnout import LLM, SamplingParams
-    from turnout.entrypoints.bench_cmd import resolve_model
+    from turnout.entrypoints.bench_models import resolve_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")

@@ -43,7 +43,7 @@ class Envs:
     # TURNOUT_SMALL_M_TILES: (N, K) -> (block_n, block_k, num_warps, num_stages) of one-row small_m_linear
     small_m_tiles: Mapping[tuple[int, int], tuple[int, int, int, int]] = field(
         default_factory=lambda: MappingProxyType({}))
-    # TURNOUT_MOE_DECODE_CONFIG: DecodeConfig field -> value (names checked by turnout/ops/triton/moe_decode.py)
+    # TURNOUT_MOE_DECODE_CONFIG: DecodeConfig field -> value (names checked by turnout/ops/triton/moe_decode_config.py)
     moe_decode_config: Mapping[str, int | None] = field(default_factory=lambda: MappingProxyType({}))
     # TURNOUT_ATTN_DECODE: decode attention's num_splits / block_n / num_warps / num_stages
     attn_decode: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from turnout import envs
-from turnout.entrypoints import bench_cmd
+from turnout.entrypoints import bench_cmd, bench_models, bench_report
 from turnout.entrypoints.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_bench_latency_json(tmp_path, capsys):
                    "--batch-size", "3", "--num-iters", "2", "--output-json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
-    missing = [f for f in bench_cmd.LATENCY_FIELDS if f not in r]
+    missing = [f for f in bench_report.LATENCY_FIELDS if f not in r]
     assert not missing, missing
     assert r["bench"] == "latency" and r["batch_size"] == 3 and len(r["latencies_s"]) == 2
     assert r["prefill_s"] > 0 and r["decode_step_ms"] > 0 and r["decode_tok_s"] > 0 and r["decode_GB_s"] > 0
@@ -64,7 +64,7 @@ def test_bench_throughput_json_with_ceilings(tmp_path, capsys):
     argv.remove("--no-ceilings")
     assert cli_main(argv) == 0
     r = json.loads(out.read_text())
-    missing = [f for f in bench_cmd.THROUGHPUT_FIELDS if f not in r]
+    missing = [f for f in bench_report.THROUGHPUT_FIELDS if f not in r]
     assert not missing, missing
     assert r["num_prompts"] == 5 and r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"]
     assert r["num_prefill_steps"] >= 3  # 5 x 12 prompt tokens through a 32-token budget: chunked
@@ -126,21 +126,21 @@ def test_bench_rejects_bad_lengths(tmp_path, capsys):
 
 def test_bundled_config_names(tmp_path, monkeypatch):
     for name in ("qwen3-8b", "Qwen3-8B", "qwen3_8b", "QWEN3-0.6B", "llama-3.1-8b", "Llama_3.1_8B"):
-        path, bundled = bench_cmd.resolve_model(name)
+        path, bundled = bench_models.resolve_model(name)
         assert bundled and Path(path, "config.json").is_file(), name
-    assert bench_cmd.resolve_model("qwen3-8b")[0] == str(REPO / "benchmarks" / "configs" / "qwen3-8b")
+    assert bench_models.resolve_model("qwen3-8b")[0] == str(REPO / "benchmarks" / "configs" / "qwen3-8b")
     # The <name>.json layout (one file per model) becomes a config-only directory.
     root = tmp_path / "configs"
     root.mkdir()
     (root / "qwen3_30b_a3b.json").write_text(json.dumps(TINY))
     monkeypatch.setenv("TURNOUT_BENCH_CONFIGS", str(root))
     envs.reload()
-    path, bundled = bench_cmd.resolve_model("qwen3-30b-a3b")
+    path, bundled = bench_models.resolve_model("qwen3-30b-a3b")
     assert bundled and json.loads(Path(path, "config.json").read_text()) == TINY
-    assert bench_cmd.resolve_model(str(root / "qwen3_30b_a3b.json"))[1]
-    assert bench_cmd.resolve_model("some-org/some-model") == ("some-org/some-model", False)
+    assert bench_models.resolve_model(str(root / "qwen3_30b_a3b.json"))[1]
+    assert bench_models.resolve_model("some-org/some-model") == ("some-org/some-model", False)
     d = _write(tmp_path, TINY)
-    assert bench_cmd.resolve_model(str(d)) == (str(d), False)
+    assert bench_models.resolve_model(str(d)) == (str(d), False)
 
 
 def test_bundled_configs_are_published_shapes():
@@ -201,7 +201,7 @@ def test_hf_peer_identical_weights_same_greedy_tokens(tmp_path, cfg):
     hf = hf_peer.build_hf_model(d, torch.float32, "cpu", seed=3)
     llm = hf_peer.make_turnout(d, "float32", "cpu", max_model_len=64, kv_cache_memory=1 << 22)
     hf_peer.load_into_turnout(llm, hf)
-    prompts = bench_cmd.random_prompts(2, 11, cfg["vocab_size"], seed=5)
+    prompts = bench_models.random_prompts(2, 11, cfg["vocab_size"], seed=5)
     r = hf_peer.compare(hf, llm, prompts, 12)
     assert r["weights_identical"], (r["checksum_hf"], r["checksum_turnout"])
     assert r["greedy_match"], r["first_mismatch"]
@@ -238,7 +238,7 @@ def test_hf_peer_eos_as_argmax_is_not_suppressed(tmp_path):
         import hf_peer
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    prompts = bench_cmd.random_prompts(2, 8, TINY["vocab_size"], seed=11)
+    prompts = bench_models.random_prompts(2, 8, TINY["vocab_size"], seed=11)
     hf = hf_peer.build_hf_model(str(_write(tmp_path, TINY, "probe")), torch.float32, "cpu", seed=1)
     with torch.no_grad():
         first = int(hf(torch.tensor([prompts[0]])).logits[0, -1].argmax())
@@ -259,7 +259,7 @@ def test_hf_peer_measures_how_close_a_greedy_mismatch_was(tmp_path):
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     hf = hf_peer.build_hf_model(str(_write(tmp_path, TINY)), torch.float32, "cpu", seed=2)
-    prompts = bench_cmd.random_prompts(2, 8, TINY["vocab_size"], seed=13)
+    prompts = bench_models.random_prompts(2, 8, TINY["vocab_size"], seed=13)
     hf_tokens = hf_peer.hf_greedy(hf, prompts, 5)
     with torch.no_grad():
         logits = hf(torch.tensor([prompts[0] + hf_tokens[0][:3]])).logits[0, -1]

@@ -138,7 +138,7 @@ def test_disabled_wrapper_is_not_used():
 
 def _llm(path, **kw):
     from turnout.engine.llm import LLM
-    from turnout.entrypoints.bench_cmd import NullTokenizer
+    from turnout.entrypoints.bench_models import NullTokenizer
 
     return LLM(path, tokenizer=NullTokenizer(), **kw)
 
@@ -260,7 +260,7 @@ def test_cuda_graphs_multi_token_decode_matches_eager(tmp_path):
     the tokens of the eager one-token path and its logprobs within float rounding."""
     from turnout.config import EngineConfig
     from turnout.engine.llm_engine import LLMEngine
-    from turnout.entrypoints.bench_cmd import NullTokenizer
+    from turnout.entrypoints.bench_models import NullTokenizer
 
     engine = LLMEngine(EngineConfig(model=_tiny_dir(tmp_path), tokenizer=NullTokenizer(), load_format="dummy",
                                     dtype="float32", device="auto", max_model_len=64, max_num_seqs=32,

@@ -1,4 +1,4 @@
-"""KV tiers under tensor parallelism (issue 21) on CPU over gloo: with tensor_parallel_size=2 (rank 1 spawned) every
+"""KV tiers under tensor parallelism on CPU over gloo: with tensor_parallel_size=2 (rank 1 spawned) every
 rank swaps its own shard of each block, driven by the driver's step messages. Swap preemption under a KV budget that
 forces it, and host-tier prefix hits after device eviction, give the tokens and logprobs of one rank with an ample
 cache; the ranks' host caches hold the same blocks (each its heads)."""

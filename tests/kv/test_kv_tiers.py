@@ -1,4 +1,4 @@
-"""KV tiers (issue 21) on CPU with the embedded SmolLM2 through LLM(): swap preemption, recompute and an
+"""KV tiers on CPU with the embedded SmolLM2 through LLM(): swap preemption, recompute and an
 ample cache give the same tokens (greedy, seeded sampling, penalties, n > 1 forks, stop strings); a
 swapped-in sequence's blocks hold its KV before the forward reads them; host-tier prefix hits are counted
 and give a cold run's tokens; no device or host block leaks; bad values are ValueErrors naming the field."""

@@ -1,4 +1,4 @@
-"""KV tiers on a GPU (issue 21): the per-layer async swap op is chosen (the Triton kernel that reads pinned
+"""KV tiers on a GPU: the per-layer async swap op is chosen (the Triton kernel that reads pinned
 host memory in place, on a side stream; the DMA one of vendor.cuda when the policy says so) and
 swap preemption, recompute and an ample cache give the same greedy tokens (dummy Qwen3-0.6B in float32,
 CUDA graphs on, so swap-ins pass both the layer gates and the graph replay's gate); host-tier prefix hits

@@ -1,6 +1,6 @@
 """The swap ops' fallback chain through the real dispatch layer with fake registries and policies that
-deny implementations (seed 000: a vendor module missing two swap names must disable only those two, and
-nothing may hold a None where a callable should be)."""
+deny implementations: a vendor module missing two swap names must disable only those two, and nothing may
+hold a None where a callable should be."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ from turnout.ops.conformance import run_case
 from turnout.ops.reference.moe import MOE_EXPERTS
 from turnout.ops.reference.moe import moe_experts as reference_moe
 from turnout.ops.triton import moe as triton_moe
-from turnout.ops.triton.moe_decode import DecodeConfig, moe_experts_decode, use_decode
+from turnout.ops.triton.moe_decode import moe_experts_decode
+from turnout.ops.triton.moe_decode_config import DecodeConfig, use_decode
 from turnout.platforms.detect import detect_platform
 
 PLATFORM = detect_platform("auto")
@@ -64,13 +65,13 @@ def test_decode_config_overrides():
     """TURNOUT_MOE_DECODE_CONFIG replaces DecodeConfig fields (in-step tuning; the op table binds the result:
     tests/ops/test_tuning_binding.py); unknown fields and bad JSON are ValueErrors naming the variable."""
     from turnout import envs
-    from turnout.ops.triton import moe_decode
+    from turnout.ops.triton import moe_decode_config
 
     def config(text):
-        return moe_decode.decode_config(envs.load({"TURNOUT_MOE_DECODE_CONFIG": text}).moe_decode_config)
+        return moe_decode_config.decode_config(envs.load({"TURNOUT_MOE_DECODE_CONFIG": text}).moe_decode_config)
 
     cfg = config('{"block_n2": 16, "block_k2": 16, "num_stages2": 1}')
-    assert (cfg.block_n2, cfg.block_k2, cfg.num_stages2, cfg.block_n1) == (16, 16, 1, moe_decode.DEFAULT_CONFIG.block_n1)
+    assert (cfg.block_n2, cfg.block_k2, cfg.num_stages2, cfg.block_n1) == (16, 16, 1, moe_decode_config.DEFAULT_CONFIG.block_n1)
     gen = torch.Generator().manual_seed(12)
     problem = _problem(gen, 2, 32, 48, 16, 2, torch.float32)
     _check(moe_experts_decode(*problem, config=cfg), *problem, torch.float32)

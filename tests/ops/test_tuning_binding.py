@@ -49,7 +49,7 @@ def test_small_m_tiles_given_to_the_resolution_are_the_kernels(monkeypatch):
 
 
 def test_moe_decode_config_given_to_the_resolution_is_the_kernels(monkeypatch):
-    from turnout.ops.triton import moe, moe_decode
+    from turnout.ops.triton import moe, moe_decode_config
 
     used = []
     real = moe.moe_experts_decode
@@ -63,8 +63,8 @@ def test_moe_decode_config_given_to_the_resolution_is_the_kernels(monkeypatch):
     weights, ids = torch.tensor([[0.7, 0.3]]), torch.tensor([[2, 0]], dtype=torch.int32)
     want = reference_moe(hidden, w13, w2, weights, ids)
     torch.testing.assert_close(table.moe_experts(hidden, w13, w2, weights, ids), want, atol=1e-4, rtol=1e-4)
-    bound = moe_decode.decode_config(tuning.moe_decode_config)
-    assert used == [bound] and bound.one_token == 0 and bound != moe_decode.DEFAULT_CONFIG
+    bound = moe_decode_config.decode_config(tuning.moe_decode_config)
+    assert used == [bound] and bound.one_token == 0 and bound != moe_decode_config.DEFAULT_CONFIG
     monkeypatch.setenv("TURNOUT_MOE_DECODE_CONFIG", '{"block_n1": 32}')
     envs.reload()
     table.moe_experts(hidden, w13, w2, weights, ids)

@@ -14,7 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from turnout.ops.reference.fp8 import MIN_SCALE
-from turnout.ops.triton import moe_fp8, moe_fp8_decode
+from turnout.ops.triton import moe_fp8, moe_fp8_decode, moe_fp8_one_token
 
 B, F8, F32, I32 = "*bf16", "*fp8e4nv", "*fp32", "*i32"
 PDL = {"PDL": True}
@@ -32,13 +32,13 @@ def _cases():
                {"num_stages": 3})
     cfg = moe_fp8_decode.DEFAULT
     for label, slots, x in (("qdq hidden row", False, B), ("qdq activations", True, F32)):
-        yield (label, moe_fp8_decode._qdq_rows_kernel, {"x_ptr": x, "y_ptr": F32, "ids_ptr": I32},
+        yield (label, moe_fp8_one_token._qdq_rows_kernel, {"x_ptr": x, "y_ptr": F32, "ids_ptr": I32},
                dict(SLOTS=slots, MIN_S=MIN_SCALE, ROUND_E4M3=False), {})
-    yield ("one-token gate_up", moe_fp8_decode._fp8_one_token_gate_up_kernel,
+    yield ("one-token gate_up", moe_fp8_one_token._fp8_one_token_gate_up_kernel,
            {"x_ptr": F32, "w_ptr": F8, "ws_ptr": F32, "act_ptr": F32, "ids_ptr": I32},
            dict(BLOCK_N=cfg.block_n_one_up, BLOCK_K=cfg.block_k_one_up, **PDL),
            {"num_warps": cfg.num_warps_one_up, "num_stages": cfg.num_stages_one_up})
-    yield ("one-token down", moe_fp8_decode._fp8_one_token_down_kernel,
+    yield ("one-token down", moe_fp8_one_token._fp8_one_token_down_kernel,
            {"act_ptr": F32, "w_ptr": F8, "ws_ptr": F32, "weights_ptr": F32, "out_ptr": B, "ids_ptr": I32},
            dict(KP=8, BLOCK_N=cfg.block_n_one, BLOCK_K=cfg.block_k_one, **PDL),
            {"num_warps": cfg.num_warps_one, "num_stages": cfg.num_stages_one})

@@ -1,6 +1,6 @@
-"""Issue 16's killer requests and their kin, against the real `turnout serve` (session server): each one
-used to pass validation and then overflow a tensor dtype inside a step, killing the engine for good.
-Now admission refuses them with a 400 naming the field, and the server goes on answering."""
+"""Requests that pass field validation but would overflow a tensor dtype inside a step (and so kill the
+engine for good), against the real `turnout serve` (session server): admission must refuse each with a 400
+naming the field, and the server must go on answering."""
 
 from __future__ import annotations
 

@@ -252,7 +252,7 @@ def test_a_fault_traced_to_one_request_fails_it_alone(fake_server):
 def test_a_certain_token_keeps_its_logprob_of_zero():
     """logprob 0.0 (a forced token, e.g. under a grammar) is a value, not a missing one (-9999)."""
     from turnout.engine.outputs import Logprob
-    from turnout.entrypoints.openai.serving import chat_logprobs
+    from turnout.entrypoints.openai.serving_logprobs import chat_logprobs
 
     class _State:
         def decode_token(self, tid):

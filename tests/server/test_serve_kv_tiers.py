@@ -1,4 +1,4 @@
-"""KV tiers behind a real `turnout serve` (issue 21): the embedded SmolLM2 on CPU with a KV cache of 8 blocks, swap
+"""KV tiers behind a real `turnout serve`: the embedded SmolLM2 on CPU with a KV cache of 8 blocks, swap
 preemption and a host prefix tier. Concurrent streamed and plain requests through the official openai client get the
 texts an ample-cache engine gives; /metrics reports the swaps and the host-tier hits (turnout_swap_preemptions_total,
 turnout_swapped_in/out_blocks_total, turnout_host_tier_hit_tokens_total, turnout_prefix_cache_hit_tokens_total)."""

@@ -1,4 +1,4 @@
-"""The RL fields of /v1/completions (issue 20), with the openai client against real servers on 127.0.0.1
+"""The RL fields of /v1/completions, with the openai client against real servers on 127.0.0.1
 around a tiny float32 Qwen3 written here: ``prompt_logprobs`` (vLLM's shape: None at position 0, then
 {token id: {logprob, rank, decoded_token}}) equal HF's recomputation on the same weights, bounded by
 --max-logprobs; ``return_token_ids`` (prompt_token_ids and token_ids per choice, streamed as deltas that

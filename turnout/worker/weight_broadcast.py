@@ -1,4 +1,5 @@
-"""Weights broadcast from a trainer over torch.distributed (the disaggregated transport of issue 20).
+"""Weights broadcast from a trainer over torch.distributed: the RL transport for a trainer on other GPUs or hosts
+than the engine, which sends each new weight once to every engine rank.
 
 The trainer's rank and every engine rank form a group of their own, apart from the engine's tensor-parallel
 group: a process can hold one default torch.distributed world only, and the engine's ranks may be in one

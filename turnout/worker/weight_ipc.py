@@ -1,4 +1,5 @@
-"""Weights shared by handle from another process (the colocated transport of issue 20), in buckets.
+"""Weights shared by handle from another process, in buckets: the RL transport for a trainer on the same machine
+as the engine, which hands new weights over without copying them through the host or pickling their data.
 
 The trainer packs named tensors into one flat byte buffer on its device (``make_bucket``) and sends the
 bucket: the buffer's handle (``torch.multiprocessing.reductions.reduce_tensor``, a picklable ``(rebuild,

@@ -7,16 +7,19 @@ Exit status: 0 after a drain; 1 when the model failed to load or the engine died
 fault no request owns: a lost device, a broken kernel) fails every waiting client at once, and the
 process exits 1 --dead-engine-grace seconds later, so that systemd, Kubernetes or Ray restarts it; a
 signal to a server whose engine is dead exits 1 too. 2: a bad flag or an address already in use.
+
+This module holds the flags and wires the app; the listening socket and the draining uvicorn server are
+serve_lifecycle.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from turnout import envs
 from turnout.entrypoints.engine_args import add_engine_args, add_vllm_noop_args, engine_kwargs, note_vllm_noop_args
+from turnout.entrypoints.openai.serve_lifecycle import bind_socket
 from turnout.worker.concurrency import MAX_DEFAULT_SEQS
 
 logger = logging.getLogger("turnout.serve")
@@ -135,31 +138,6 @@ def serve_options(args):
                         max_logprobs=args.max_logprobs, grammar_timeout=args.grammar_timeout)
 
 
-def bind_socket(host: str, port: int):
-    """Listen on host:port now, before the model loads (seconds to minutes), so a port in use is an
-    error at once that names the address, not a crash after loading."""
-    import socket
-
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port: must be in [0, 65535], got {port}")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ValueError(f"--host: cannot resolve {host!r}: {e.strerror}") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
-        sock.bind(addr)
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        raise ValueError(f"--port: cannot listen on {where}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
 def run(args) -> int:
     if args.headless or args.node_rank:  # node 1.. of a multi-node engine: its ranks only, no HTTP
         from turnout.executor.multinode import run_headless
@@ -200,6 +178,7 @@ def run(args) -> int:
 
     from turnout.entrypoints.openai.api_server import ServerState, build_app
     from turnout.entrypoints.openai.http_guard import guarded_h11_protocol
+    from turnout.entrypoints.openai.serve_lifecycle import DrainingServer
 
     def make_engine():
         from turnout.engine.llm_engine import LLMEngine
@@ -214,7 +193,7 @@ def run(args) -> int:
         state.max_num_seqs = engine.config.max_num_seqs  # None resolved when the cache was sized
         return engine
 
-    server: _DrainingServer | None = None
+    server: DrainingServer | None = None
     exit_code = 0
 
     def on_ready(state):
@@ -252,7 +231,7 @@ def run(args) -> int:
                                http=protocol, timeout_keep_alive=args.timeout_keep_alive,
                                timeout_graceful_shutdown=5, lifespan="on", server_header=False,
                                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
-    server = _DrainingServer(uv_config, state)
+    server = DrainingServer(uv_config, state)
     logger.info("loading model %s ...", config.model or "(default SmolLM2-135M-Instruct)")
     try:
         server.run(sockets=[sock])
@@ -269,46 +248,3 @@ def _version() -> str:
     import turnout
 
     return turnout.__version__
-
-
-class _DrainingServer:
-    """uvicorn.Server whose first SIGTERM/SIGINT drains instead of closing the listening socket."""
-
-    def __new__(cls, config, state):
-        import uvicorn
-
-        class DrainingServer(uvicorn.Server):
-            def __init__(self, config, state):
-                super().__init__(config)
-                self.state = state
-                self._drain_requested = False
-                self._drain_task = None
-
-            def exit_now(self):
-                self.should_exit = True
-
-            def handle_exit(self, sig, frame):  # a signal handler: only set flags here
-                if self._drain_requested or self.state.phase != "ready":
-                    self.should_exit = True
-                    if self._drain_task is not None and sig == signal.SIGINT:
-                        self.force_exit = True
-                    return
-                self._drain_requested = True
-                self.state.start_draining()
-
-            async def on_tick(self, counter):
-                if self._drain_requested and self._drain_task is None:
-                    self._drain_task = asyncio.ensure_future(self._drain())
-                return await super().on_tick(counter)
-
-            async def _drain(self):
-                eng = self.state.async_engine
-                n = eng.num_in_flight if eng else 0
-                logger.info("shutting down: refusing new requests, draining %d in-flight request(s) "
-                            "(up to %.0fs)", n, self.state.drain_timeout)
-                if eng is not None:
-                    await eng.shutdown(self.state.drain_timeout)
-                logger.info("drained; exiting")
-                self.should_exit = True
-
-        return DrainingServer(config, state)

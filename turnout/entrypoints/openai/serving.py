@@ -1,4 +1,7 @@
 """/v1/completions and /v1/chat/completions: parse, validate, tokenize, admit, then answer or stream.
+This module holds what both routes share before and after the engine: parsing and validation, and the
+stream deltas. Admission and the wait on the engine are in serving_exchange.py, logprobs in
+serving_logprobs.py.
 
 Everything a client can get wrong is checked before the request reaches the engine, and every check
 raises an APIError that names the field. Streams compute deltas from the engine's cumulative outputs,
@@ -8,7 +11,6 @@ equals the non-streamed one.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -16,9 +18,7 @@ import time
 import uuid
 
 import pydantic
-from fastapi import Request
 
-from turnout.engine.async_engine import EngineDeadError, EngineDraining, EngineUnavailable, QueueFull, RequestStream
 from turnout.engine.sampling_params import SamplingParams
 from turnout.entrypoints.openai import protocol as P
 from turnout.entrypoints.openai.errors import APIError, bad_request, from_validation_error, from_value_error
@@ -115,138 +115,6 @@ def check_max_logprobs(req, max_logprobs: int) -> None:
                               code="invalid_value")
 
 
-async def _admit(state, items) -> list[RequestStream]:
-    try:
-        return await state.async_engine.add_requests(items)
-    except QueueFull as e:
-        state.metrics.rejected.labels(reason="queue_full").inc()
-        raise APIError(503, f"The server is overloaded: {e}", type="server_overloaded", code="queue_full",
-                       headers={"Retry-After": "1"}) from None
-    except EngineDraining:
-        state.metrics.rejected.labels(reason="draining").inc()
-        raise APIError(503, "The server is shutting down.", type="service_unavailable", code="shutting_down",
-                       headers={"Retry-After": "5", "Connection": "close"}) from None
-    except EngineDeadError as e:
-        raise APIError(503, f"The engine is not available: {e}", type="service_unavailable",
-                       code="engine_dead") from None
-    except EngineUnavailable as e:  # asleep or paused (the RL endpoints)
-        raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable",
-                       headers={"Retry-After": "1"}) from None
-    except ValueError as e:
-        if getattr(e, "prompt_len", None) is not None:  # the engine's ContextLengthError
-            raise APIError(400, f"This model's maximum context length is {e.max_model_len} tokens, but the "
-                           f"prompt has {e.prompt_len} tokens.", param="prompt",
-                           code="context_length_exceeded") from None
-        raise from_value_error(e) from None
-
-
-def _request_failed(out) -> APIError | None:
-    """A fault the engine traced to this request (RequestOutput.error): it failed alone, the engine lives.
-    Not the client's mistake as far as the server can tell (validation let it through): a 500 naming it."""
-    err = getattr(out, "error", None)
-    if err is None:
-        return None
-    logger.error("request %s failed inside the engine: %s", out.request_id, err)
-    return APIError(500, f"The request failed inside the engine: {err}", type="internal_server_error",
-                    code="request_failed")
-
-
-def _engine_error(e: BaseException) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, EngineDraining):
-        return APIError(503, str(e), type="service_unavailable", code="shutting_down")
-    if isinstance(e, EngineDeadError):
-        return APIError(500, str(e), type="internal_server_error", code="engine_dead")
-    logger.exception("request failed", exc_info=e)
-    return APIError(500, f"internal error: {type(e).__name__}", type="internal_server_error", code="internal_error")
-
-
-async def _watch_disconnect(request: Request, on_disconnect) -> None:
-    try:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # noqa: BLE001 - a broken transport is a disconnect too
-        pass
-    on_disconnect()
-
-
-class _Exchange:
-    """One HTTP request's engine requests: watches the client and aborts them all if it goes away."""
-
-    def __init__(self, state, request: Request, streams: list[RequestStream]):
-        self.state, self.streams = state, streams
-        self.disconnected = False
-        self._watcher = asyncio.ensure_future(_watch_disconnect(request, self._on_disconnect))
-
-    def _on_disconnect(self) -> None:
-        self.disconnected = True
-        self.close()
-
-    def close(self) -> None:
-        self._watcher.cancel()
-        for s in self.streams:
-            self.state.async_engine.abort(s.request_id)
-
-    async def final_outputs(self):
-        async def last(s):
-            out = None
-            async for out in s:  # noqa: B007 - the stream's last output is the answer
-                pass
-            return out
-
-        try:
-            results = await asyncio.gather(*(last(s) for s in self.streams), return_exceptions=True)
-        finally:
-            self.close()
-        if self.disconnected:
-            raise APIError(499, "client disconnected")
-        for r in results:
-            if isinstance(r, BaseException):
-                raise _engine_error(r)
-            failed = _request_failed(r)
-            if failed is not None:
-                raise failed
-        return results
-
-    async def merged(self):
-        """(prompt index, cumulative output) as they arrive, over all streams."""
-        if len(self.streams) == 1:
-            async for out in self.streams[0]:
-                if (failed := _request_failed(out)) is not None:
-                    raise failed
-                yield 0, out
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i, s):
-            try:
-                async for out in s:
-                    q.put_nowait((i, out, None))
-                q.put_nowait((i, None, None))
-            except BaseException as e:  # noqa: BLE001
-                q.put_nowait((i, None, e))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
-        try:
-            left = len(tasks)
-            while left:
-                i, out, err = await q.get()
-                if err is not None:
-                    raise err
-                if out is None:
-                    left -= 1
-                elif (failed := _request_failed(out)) is not None:
-                    raise failed
-                else:
-                    yield i, out
-        finally:
-            for t in tasks:
-                t.cancel()
-
-
 class _Delta:
     """Per-choice streaming state: what was sent so far, text held back for a possible stop string."""
 
@@ -297,52 +165,3 @@ def _new_id(prefix: str) -> str:
 
 def _now() -> int:
     return int(time.time())
-
-
-# ---------------------------------------------------------------------------------------- logprobs
-def _ranked(entry: dict, k: int) -> list[tuple[int, float]]:
-    """The top-k (token id, logprob) of one position, best first."""
-    items = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
-    return [(tid, lp.logprob) for tid, lp in items[:k]]
-
-
-def _token_text(state, tid: int, entry: dict | None) -> str:
-    lp = entry.get(tid) if entry else None
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
-    if state.tokenizer is None:  # a model without a tokenizer: vLLM's name for a token without text
-        return f"token_id:{tid}"
-    return state.decode_token(tid)
-
-
-def _sampled_logprob(entry: dict | None, tid: int) -> float | None:
-    lp = entry.get(tid) if entry else None
-    return None if lp is None else max(float(lp.logprob), -9999.0)
-
-
-def chat_logprobs(state, ids: list[int], entries: list | None, first: int, k: int) -> P.ChatChoiceLogprobs:
-    content = []
-    for j, tid in enumerate(ids):
-        entry = entries[first + j] if entries is not None and first + j < len(entries) else None
-        tok = _token_text(state, tid, entry)
-        tops = [P.TopLogprob(token=(t := _token_text(state, i, entry)), logprob=max(lp, -9999.0),
-                             bytes=list(t.encode("utf-8"))) for i, lp in _ranked(entry or {}, k)]
-        lp = _sampled_logprob(entry, tid)  # 0.0 (a certain token) is a logprob, not a missing one
-        content.append(P.ChatTokenLogprob(token=tok, logprob=-9999.0 if lp is None else lp,
-                                          bytes=list(tok.encode("utf-8")), top_logprobs=tops))
-    return P.ChatChoiceLogprobs(content=content)
-
-
-def completion_logprobs(state, ids: list[int], entries: list | None, first: int, k: int,
-                        offset: int) -> tuple[P.CompletionLogProbs, int]:
-    out = P.CompletionLogProbs()
-    for j, tid in enumerate(ids):
-        entry = entries[first + j] if entries is not None and first + j < len(entries) else None
-        tok = _token_text(state, tid, entry)
-        out.tokens.append(tok)
-        out.token_logprobs.append(_sampled_logprob(entry, tid))
-        out.top_logprobs.append({_token_text(state, i, entry): max(lp, -9999.0)
-                                 for i, lp in _ranked(entry or {}, k)} if k else None)
-        out.text_offset.append(offset)
-        offset += len(tok)
-    return out, offset

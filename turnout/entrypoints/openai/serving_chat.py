@@ -14,22 +14,20 @@ from turnout.entrypoints.openai.errors import bad_request
 from turnout.entrypoints.openai.serving import (
     SSE_HEADERS,
     Prompt,
-    _admit,
     _common_checks,
     _Delta,
-    _engine_error,
-    _Exchange,
     _fit_context,
     _holdback,
     _new_id,
     _now,
     _sampling_params,
     _usage,
-    chat_logprobs,
     parse,
     sse,
 )
+from turnout.entrypoints.openai.serving_exchange import _admit, _engine_error, _Exchange
 from turnout.entrypoints.openai.serving_grammar import _structured_outputs, off_loop
+from turnout.entrypoints.openai.serving_logprobs import chat_logprobs
 
 logger = logging.getLogger(__name__)
 

@@ -15,25 +15,20 @@ from turnout.entrypoints.openai.serving import (
     MAX_PROMPTS_PER_REQUEST,
     SSE_HEADERS,
     Prompt,
-    _admit,
     _common_checks,
     _Delta,
-    _engine_error,
-    _Exchange,
     _fit_context,
     _holdback,
     _new_id,
     _now,
-    _ranked,
-    _sampled_logprob,
     _sampling_params,
-    _token_text,
     _usage,
-    completion_logprobs,
     parse,
     sse,
 )
+from turnout.entrypoints.openai.serving_exchange import _admit, _engine_error, _Exchange
 from turnout.entrypoints.openai.serving_grammar import _structured_outputs
+from turnout.entrypoints.openai.serving_logprobs import _ranked, _sampled_logprob, _token_text, completion_logprobs
 
 logger = logging.getLogger(__name__)
 

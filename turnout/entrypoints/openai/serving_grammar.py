@@ -13,7 +13,7 @@ import asyncio
 from fastapi import Request
 
 from turnout.entrypoints.openai.errors import APIError, bad_request, from_value_error
-from turnout.entrypoints.openai.serving import _watch_disconnect
+from turnout.entrypoints.openai.serving_exchange import _watch_disconnect
 
 # The request fields that ask for structured output (turnout/structured/request.py reads them).
 _CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",

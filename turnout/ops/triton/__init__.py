@@ -54,7 +54,7 @@ TUNES: dict[str, str] = {
     "small_m_linear": "turnout.ops.triton._tuning:small_m_tiles",
     "add_rms_norm_linear": "turnout.ops.triton._tuning:small_m_tiles",
     "fp8_linear": "turnout.ops.triton._tuning:small_m_tiles",
-    "moe_experts": "turnout.ops.triton.moe_decode:tuned",
+    "moe_experts": "turnout.ops.triton.moe_decode_config:tuned",
 }
 
 # ops whose kernels need e4m3fn fp8 units besides Triton (turnout/ops/fp8_platform.py: sm89+ on CUDA)

@@ -42,8 +42,9 @@ def _tiles(max_query_len: int, group: int, head_dim: int) -> dict:
     """Tile sizes: decode uses one token per program (rows = the GQA group, padded to 16 for tl.dot);
     prefill packs BLOCK_M // group tokens per program. Over an fp8 cache a 128-token decode tile with 3 stages
     (TURNOUT_ATTN_DECODE='{"block_n": 128, "num_stages": 3}') read Qwen3-8B's geometry 6-9 % faster on the H200
-    (0.195 -> 0.177 ms at 64 x 4096, 0.210 -> 0.198 ms at 256 x 1280; docs/benchmarks.md, thirteenth session); it
-    is not the default because its conformance has not run on a GPU yet (the 64-token tile's has)."""
+    (0.195 -> 0.177 ms at 64 x 4096, 0.210 -> 0.198 ms at 256 x 1280; docs/benchmarks.md, "the fp8 KV cache read
+    as 16-bit pairs"); it is not the default because its conformance has not run on a GPU yet (the 64-token
+    tile's has)."""
     g_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if d_pad <= 128 else 32

@@ -88,7 +88,7 @@ def _paged_attn_kernel(
     F16_DOT (an fp8 cache with 16-bit q): both dots in float16. e4m3 converts to float16 exactly at one instruction
     per two values; bfloat16 tiles took that plus one f16 -> bf16 conversion per value (the sm90 PTX), and the
     fp8 cache was read at 1,041 GB/s against the bf16 cache's 3,147 at 64 x 4096 on the H200 (docs/benchmarks.md,
-    twelfth session). q is scaled by a power of two when its largest element would not fit float16 (the score
+    "fp8 one-row and one-token kernels, fp8 KV at full concurrency"). q is scaled by a power of two when its largest element would not fit float16 (the score
     scale divides it back out, exactly); p <= 1 fits.
     V_PAIRS (F16_DOT, one-token tiles, an even head dim): V loaded as 16-bit pairs of columns (2j, 2j + 1). An fp8 V
     tile reached the PV dot through byte-wise shared-memory loads (sm90's ldmatrix transposes 16-bit elements, not

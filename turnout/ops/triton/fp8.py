@@ -31,6 +31,7 @@ import triton.language as tl
 
 from turnout.ops.reference.fp8 import BLOCK, FP8, FP8_MAX, MIN_SCALE, weight_layout
 from turnout.ops.triton._tuning import interpreted
+from turnout.ops.triton.cache import round_e4m3
 
 _INTERPRET = interpreted()
 
@@ -66,6 +67,17 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, stri
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX_C), FP8_MAX_C)
             tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+
+
+@triton.jit
+def quantize_tile(x, MIN_S: tl.constexpr, ROUND_E4M3: tl.constexpr):
+    """x [BM, 128] float32, one 128-group per row -> (x / s clamped to +-448, in float32; s [BM]) with s = max(max
+    |x| / 448, MIN_S): quantize_fp8's arithmetic (the caller casts to fp8)."""
+    s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), MIN_S)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -448.0), 448.0)
+    if ROUND_E4M3:
+        q = round_e4m3(q)
+    return q, s
 
 
 def quantize_fp8(x: torch.Tensor, group_size: int = 0, input_scale: torch.Tensor | None = None):

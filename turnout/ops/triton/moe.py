@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from turnout.ops.triton import moe_decode
 from turnout.ops.triton._tuning import interpreted
-from turnout.ops.triton.moe_decode import moe_experts_decode, use_decode
+from turnout.ops.triton.moe_decode import moe_experts_decode
+from turnout.ops.triton.moe_decode_config import DEFAULT_CONFIG, DecodeConfig, use_decode
 
 _INTERPRET = interpreted()
 
@@ -174,7 +174,7 @@ def _tile(n: int, cap: int) -> int:
 
 def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, *, kernel: str = "auto",
-                decode_config: moe_decode.DecodeConfig | None = None) -> torch.Tensor:
+                decode_config: DecodeConfig | None = None) -> torch.Tensor:
     """See turnout/ops/reference/moe.py for the contract. ``kernel`` (the policy's ``moe_experts.kernel``,
     bound once by the op table): "auto", "grouped" or "decode". ``decode_config``: the decode kernels' tiles
     (TURNOUT_MOE_DECODE_CONFIG), bound once by the op table; None: the measured ones."""
@@ -191,7 +191,7 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if kernel == "grouped":
         return moe_experts_grouped(hidden, w13, w2, topk_weights, topk_ids)
     if kernel == "decode":  # the decode kernels at every T, per-slot down kernel and slot sum
-        config = replace(decode_config or moe_decode.DEFAULT_CONFIG, one_token=0)
+        config = replace(decode_config or DEFAULT_CONFIG, one_token=0)
         return moe_experts_decode(hidden, w13, w2, topk_weights, topk_ids, config=config)
     raise ValueError(f"moe_experts: kernel must be auto, grouped or decode, got {kernel!r}")
 

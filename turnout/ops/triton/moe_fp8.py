@@ -30,9 +30,10 @@ import triton.language as tl
 
 from turnout.ops.reference.fp8 import BLOCK, FP8, MIN_SCALE
 from turnout.ops.reference.moe_fp8 import check_shapes
+from turnout.ops.triton.fp8 import quantize_tile
 from turnout.ops.triton.moe import align_block_size
-from turnout.ops.triton.moe_decode import use_decode
-from turnout.ops.triton.moe_fp8_decode import ROUND, moe_experts_fp8_decode, quantize_tile
+from turnout.ops.triton.moe_decode_config import use_decode
+from turnout.ops.triton.moe_fp8_decode import ROUND, moe_experts_fp8_decode
 
 
 @triton.jit

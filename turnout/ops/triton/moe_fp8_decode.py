@@ -5,24 +5,15 @@ finds its (token, slot) pairs by scanning the ids; ``_owned_expert`` / ``_chunk_
 the K loop stepping by 128, one scale group:
 
 1. ``_fp8_gate_up_kernel``: each 128-wide K tile of the token rows is quantised in registers as ``quantize_fp8``
-   does it (max |x| / 448 of the row's group, x / s rounded to e4m3), so no quantisation kernel runs before it;
+   does it (``quantize_tile`` of ops/triton/fp8.py: max |x| / 448 of the row's group, x / s rounded to e4m3), so no quantisation kernel runs before it;
    the fp8 x fp8 ``tl.dot`` of the tile is added into float32 accumulators times the row's group scale and the
    weight block's (a program's 128 columns of I lie in one block of the gate and one of the up). The epilogue
    quantises silu(gate) * up the same way: a program's 128 columns are one group, so it writes the fp8
    activations and their scale [T*k, ceil(I/128)] itself.
 2. ``_fp8_down_kernel``: fp8 activations x fp8 down weights per 128 K tile, times both scales, times the routing
    weight, into per-pair float32 rows; then moe_decode's slot sum.
-3. one token (batch-1 decode), both steps on the CUDA cores, one program per few weight rows so that every
-   multiprocessor streams weights (the dot kernel 1 has only k x ceil(I/128) programs there: 48 on Qwen3-30B-A3B,
-   70.7 us a layer against bf16's 15.3, docs/benchmarks.md, "fp8 one-row and one-token kernels"). The activations are
-   quantised once, by ``_qdq_rows_kernel`` (one program per row: the quantised values times their scales, float32),
-   before each step, not by every program (in registers that cost a third of the weights' time at these tiles):
-   ``_fp8_one_token_gate_up_kernel``: a program owns one slot and BN columns of I (gate and up rows, inside one
-   128-row block each) and streams the whole H, the block scales folded into the token's row, and writes
-   silu(gate) * up in float32;
-   ``_fp8_one_token_down_kernel``: a program owns BN columns of H (inside one 128-row block of down) and streams
-   them for every slot, the block scale and the slot weight folded into the activation vector, so the slots are
-   summed in registers.
+3. one token (batch-1 decode): both steps on the CUDA cores, one program per few weight rows so that every
+   multiprocessor streams weights (turnout/ops/triton/moe_fp8_one_token.py, which says why).
 
 Each 128-wide tile's product is added into float32 separately (the promotion interval of ops/triton/fp8.py: on sm90
 an fp8 dot accumulates in reduced precision). Under TRITON_INTERPRET=1 the quantised values are rounded to the
@@ -42,8 +33,9 @@ import triton.language as tl
 from turnout.ops.reference.fp8 import BLOCK, FP8, MIN_SCALE
 from turnout.ops.triton._pdl import pdl_args, pdl_wait
 from turnout.ops.triton._tuning import interpreted
-from turnout.ops.triton.cache import round_e4m3
+from turnout.ops.triton.fp8 import quantize_tile
 from turnout.ops.triton.moe_decode import _chunk_pairs, _owned_expert, _pow2, _sum_slots_kernel
+from turnout.ops.triton.moe_fp8_one_token import moe_experts_fp8_one_token
 
 ROUND = interpreted()
 
@@ -73,17 +65,6 @@ class Fp8DecodeConfig:
 
 
 DEFAULT = Fp8DecodeConfig()
-
-
-@triton.jit
-def quantize_tile(x, MIN_S: tl.constexpr, ROUND_E4M3: tl.constexpr):
-    """x [BM, 128] float32, one 128-group per row -> (x / s clamped to +-448, in float32; s [BM]) with s = max(max
-    |x| / 448, MIN_S): quantize_fp8's arithmetic (the caller casts to fp8)."""
-    s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), MIN_S)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -448.0), 448.0)
-    if ROUND_E4M3:
-        q = round_e4m3(q)
-    return q, s
 
 
 @triton.jit
@@ -160,98 +141,6 @@ def _fp8_down_kernel(aq_ptr, as_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids_pt
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def _qdq_rows_kernel(x_ptr, y_ptr, ids_ptr, num_experts, K, stride_x, stride_y, SLOTS: tl.constexpr,
-                     MIN_S: tl.constexpr, ROUND_E4M3: tl.constexpr):
-    """y[row] = the value of x[row]'s per-128-group fp8 quantisation, float32: one program per row, one group a
-    step. The one-token kernels read y, so the quantisation runs once, not once per program. SLOTS: row j is slot
-    j's, left alone when its id is outside [0, E) (the gate/up never wrote it)."""
-    row = tl.program_id(0).to(tl.int64)
-    if SLOTS:
-        e = tl.load(ids_ptr + row)
-        if (e < 0) | (e >= num_experts):
-            return
-    ks = tl.arange(0, 128)[None, :]  # one 128-group a step, as a [1, 128] tile for quantize_tile
-    for k0 in range(0, K, 128):
-        k = k0 + ks
-        q, s = quantize_tile(tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32), MIN_S,
-                             ROUND_E4M3)
-        tl.store(y_ptr + row * stride_y + k, q.to(tl.float8e4nv).to(tl.float32) * s[:, None], mask=k < K)
-
-
-@triton.jit
-def _fp8_one_token_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, num_experts, H, I, NB_I,
-                                  stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """act[j, cols] = silu(g) * u, [g; u] = deq(w13[ids[j], gate/up rows of cols]) @ x, float32, for one token
-    whose row x is already quantised and dequantised (``_qdq_rows_kernel``); slots with an id outside [0, E) write
-    nothing (the down kernel does not read them)."""
-    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
-    j = tl.program_id(0)
-    e = tl.load(ids_ptr + j).to(tl.int64)
-    if (e < 0) | (e >= num_experts):
-        return
-    pid_n = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    cols = tl.where(col_ok, cols, 0)
-    w_gate = w_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
-    w_up = w_gate + I * stride_wn
-    s_gate = ws_ptr + e * stride_wse + ((pid_n * BLOCK_N) // 128) * stride_wsn  # this program's block rows
-    s_up = s_gate + NB_I * stride_wsn
-    ks = tl.arange(0, BLOCK_K)
-    part_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    part_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < H
-        x = tl.load(x_ptr + k, mask=k_ok, other=0.0)  # float32, already quantised and dequantised
-        wg = tl.load(w_gate + k[None, :], mask=k_ok[None, :], other=0.0)
-        wu = tl.load(w_up + k[None, :], mask=k_ok[None, :], other=0.0)
-        part_g += wg.to(tl.float32) * (x * tl.load(s_gate + k // 128, mask=k_ok, other=0.0))[None, :]
-        part_u += wu.to(tl.float32) * (x * tl.load(s_up + k // 128, mask=k_ok, other=0.0))[None, :]
-    g = tl.sum(part_g, axis=1)
-    u = tl.sum(part_u, axis=1)
-    tl.store(act_ptr + j * stride_act + cols, g * tl.sigmoid(g) * u, mask=col_ok)
-
-
-@triton.jit
-def _fp8_one_token_down_kernel(act_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, ids_ptr,
-                               top_k, num_experts, H, I,
-                               stride_act, stride_we, stride_wn, stride_wse, stride_wsn,
-                               KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out[0, cols] = sum_j weight[j] * act[j] @ deq(w2[ids[j], cols]).T for one token, in registers (act: the
-    gate/up's output quantised and dequantised by ``_qdq_rows_kernel``). BLOCK_N divides 128, so along K the block
-    scale of this program's rows is one value per 128 columns."""
-    pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < H
-    cols = tl.where(col_ok, cols, 0)
-    slots = tl.arange(0, KP)
-    ids = tl.load(ids_ptr + slots, mask=slots < top_k, other=-1).to(tl.int64)  # [KP]
-    valid = (slots < top_k) & (ids >= 0) & (ids < num_experts)
-    ids = tl.where(valid, ids, 0)
-    scale = tl.where(valid, tl.load(weights_ptr + slots, mask=slots < top_k, other=0.0), 0.0)  # [KP] fp32
-    block_row = ((pid * BLOCK_N) // 128) * stride_wsn
-    ks = tl.arange(0, BLOCK_K)
-    n_k = tl.cdiv(I, BLOCK_K)
-    part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for it in range(0, top_k * n_k):  # (slot, K tile) in one loop, so the loads pipeline across slots
-        j = it // n_k
-        k = (it - j * n_k) * BLOCK_K + ks
-        pick = slots == j
-        e = tl.sum(tl.where(pick, ids, 0), axis=0)
-        ok = (k < I) & ((ks * 0 + tl.sum(tl.where(pick, valid.to(tl.int32), 0), axis=0)) > 0)  # [BK]
-        s = tl.sum(tl.where(pick, scale, 0.0), axis=0)
-        w = tl.load(w_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn + k[None, :],
-                    mask=(k < I)[None, :], other=0.0)
-        a = tl.load(act_ptr + j * stride_act + k, mask=ok, other=0.0)  # float32, quantised and dequantised
-        a = a * tl.load(ws_ptr + e * stride_wse + block_row + k // 128, mask=ok, other=0.0)
-        part += w.to(tl.float32) * (a * s)[None, :]
-    tl.store(out_ptr + cols, tl.sum(part, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
 def _fit(block: int, n: int) -> int:
     return max(16, min(block, _pow2(n)))
 
@@ -288,30 +177,10 @@ def moe_experts_fp8_decode(hidden, w13, w13_scale, w2, w2_scale, topk_weights, t
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()
     by_slot = num_pairs < num_experts
+    if num_tokens == 1 and one_token:
+        return moe_experts_fp8_one_token(hidden, w13, w13_scale, w2, w2_scale, weights, ids, cfg)
     out = torch.empty_like(hidden)
     kp = _pow2(top_k)
-    if num_tokens == 1 and one_token:
-        xq = torch.empty(1, hidden_size, dtype=torch.float32, device=hidden.device)
-        _qdq_rows_kernel[(1,)](hidden, xq, ids, num_experts, hidden_size, hidden.stride(0), xq.stride(0),
-                               SLOTS=False, MIN_S=MIN_SCALE, ROUND_E4M3=ROUND, num_warps=4)
-        act = torch.empty(top_k, inter, dtype=torch.float32, device=hidden.device)
-        bn = max(1, min(cfg.block_n_one_up, 128, _pow2(inter)))
-        bk = max(16, min(cfg.block_k_one_up, _pow2(hidden_size)))
-        _fp8_one_token_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
-            xq, w13, w13_scale, act, ids, num_experts, hidden_size, inter, triton.cdiv(inter, BLOCK),
-            w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
-            BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps_one_up,
-            num_stages=1 if ROUND else cfg.num_stages_one_up, **pdl_args(hidden, "moe_gate_up"))
-        _qdq_rows_kernel[(top_k,)](act, act, ids, num_experts, inter, act.stride(0), act.stride(0), SLOTS=True,
-                                   MIN_S=MIN_SCALE, ROUND_E4M3=ROUND, num_warps=4)  # in place
-        bn = max(1, min(cfg.block_n_one, 128, _pow2(hidden_size)))
-        bk = max(16, min(cfg.block_k_one, _pow2(inter)))
-        _fp8_one_token_down_kernel[(triton.cdiv(hidden_size, bn),)](
-            act, w2, w2_scale, weights, out, ids, top_k, num_experts, hidden_size, inter,
-            act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            KP=kp, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps_one,
-            num_stages=1 if ROUND else cfg.num_stages_one, **pdl_args(hidden, "moe_down"))
-        return out
     aq, a_s = gate_up(hidden, w13, w13_scale, ids, num_pairs, by_slot, cfg)
     bn2 = _fit(cfg.block_n2 if by_slot else cfg.block_n2_many, hidden_size)
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
