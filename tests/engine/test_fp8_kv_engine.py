@@ -139,10 +139,24 @@ def test_default_max_num_seqs():
     assert default_max_num_seqs(500 * 96 + 95, 16, 1536) == 496  # rounded down to 16
 
 
+def _worst_gaps(a_outs, b_outs):
+    """(|logprob difference|, prompt, step) of each greedy step where the two runs still agree on the tokens."""
+    worst = []
+    for i, (a, b) in enumerate(zip(a_outs, b_outs)):
+        ca, cb = a.outputs[0], b.outputs[0]
+        for step, (ta, tb) in enumerate(zip(ca.token_ids, cb.token_ids)):
+            if ta != tb:
+                break
+            worst.append((abs(ca.logprobs[step][ta].logprob - cb.logprobs[step][tb].logprob), i, step))
+    return sorted(worst, reverse=True)
+
+
 @pytest.mark.gpu
 def test_fp8_kv_on_gpu(checkpoint):
-    """On a GPU: the Triton kernels serve the fp8 cache (compiled), CUDA graphs on, bf16; blocks double, and
-    greedy logprobs stay within the fp8 tolerance of the bf16 cache's."""
+    """On a GPU: the Triton kernels serve the fp8 cache (compiled), CUDA graphs on, bf16; blocks double. The fp8
+    cache moves the greedy logprobs away from the bf16 cache's by quantisation noise, whose size depends on the
+    model: the peer is the same fp8 cache computed by the PyTorch reference ops on the same GPU, and the Triton
+    path may differ from bf16 by no more than the reference does (plus bf16's own rounding between kernels)."""
     kw = dict(kv_cache_memory=64 << 20, dtype="bfloat16", block_size=16)
     auto, fp8 = LLM(checkpoint, **kw), LLM(checkpoint, kv_cache_dtype="fp8", **kw)
     blocks = (auto.engine.runner.num_blocks, fp8.engine.runner.num_blocks)
@@ -152,14 +166,13 @@ def test_fp8_kv_on_gpu(checkpoint):
     assert fp8.engine.runner.graphs is not None
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)
     prompts = _prompts(6)
-    # step 0 comes from the prefill kernels, later steps from the decode ones (the fused rope + cache write +
-    # attention kernel, V read as 16-bit pairs): the message says which step and prompt, to tell them apart
-    worst = []
-    for i, (a, f) in enumerate(zip(auto.generate(prompts, params, use_tqdm=False),
-                                   fp8.generate(prompts, params, use_tqdm=False))):
-        ca, cf = a.outputs[0], f.outputs[0]
-        for step, (ta, tf) in enumerate(zip(ca.token_ids, cf.token_ids)):
-            if ta != tf:
-                break
-            worst.append((abs(ca.logprobs[step][ta].logprob - cf.logprobs[step][tf].logprob), i, step))
-    assert max(worst)[0] < LOGPROB_TOL, sorted(worst, reverse=True)[:5]
+    outs = {name: llm.generate(prompts, params, use_tqdm=False) for name, llm in (("auto", auto), ("fp8", fp8))}
+    del auto, fp8
+    ref = LLM(checkpoint, kv_cache_dtype="fp8", ops_policy="prefer=reference", enforce_eager=True, **kw)
+    assert ref.engine.ops.chosen("paged_attention").startswith("reference")
+    outs["ref"] = ref.generate(prompts, params, use_tqdm=False)
+    triton_gap, ref_gap = _worst_gaps(outs["auto"], outs["fp8"]), _worst_gaps(outs["auto"], outs["ref"])
+    # step 0 comes from the prefill kernels, later steps from the decode ones: the message says which, and how far
+    # the two fp8 paths are from each other
+    assert triton_gap[0][0] <= 1.25 * ref_gap[0][0] + 0.05, (triton_gap[:5], ref_gap[:5],
+                                                             _worst_gaps(outs["ref"], outs["fp8"])[:5])

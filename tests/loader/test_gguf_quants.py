@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
-from gguf.quants import quantize
+
+gguf = pytest.importorskip("gguf")
+quantize = pytest.importorskip("gguf.quants").quantize
+Q, GGUFWriter = gguf.GGMLQuantizationType, gguf.GGUFWriter
 
 from turnout.loader.gguf import dequantize, read_tensors
 

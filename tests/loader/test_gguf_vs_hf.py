@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGUFWriter
+
+GGUFWriter = pytest.importorskip("gguf").GGUFWriter
 
 from turnout.loader.gguf import _hf_names, iter_gguf_weights
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
+
+openai = pytest.importorskip("openai")
 
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 

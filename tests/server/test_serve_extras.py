@@ -10,12 +10,13 @@ import json
 import time
 
 import httpx
-import openai
 import pytest
 
 from conftest import ServerProcess
 from turnout.entrypoints import cli
 from turnout.entrypoints.openai.serve_options import ServeOptions, load_chat_template, refuse_remote_code
+
+openai = pytest.importorskip("openai")
 
 # The prompt ends inside <think> (as DeepSeek-R1's template does); two worked examples show the 135M model
 # how to close its reasoning, so that greedy decoding gives both reasoning_content and content.

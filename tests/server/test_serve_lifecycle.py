@@ -9,10 +9,11 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 
 from conftest import ServerProcess
+
+openai = pytest.importorskip("openai")
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

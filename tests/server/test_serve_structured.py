@@ -9,8 +9,9 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
+
+openai = pytest.importorskip("openai")
 
 jsonschema = pytest.importorskip("jsonschema")
 

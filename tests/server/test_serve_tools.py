@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 from conftest import ServerProcess
@@ -19,6 +18,8 @@ from turnout.entrypoints.openai.errors import APIError
 from turnout.entrypoints.openai.protocol import ChatCompletionRequest
 from turnout.entrypoints.openai.serve_options import ServeOptions
 from turnout.entrypoints.openai.tool_parsers import assemble
+
+openai = pytest.importorskip("openai")
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -17,10 +17,11 @@ import tempfile
 import time
 
 import httpx
-import openai
 import pytest
 
 from conftest import ServerProcess
+
+openai = pytest.importorskip("openai")
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not os.path.exists(CHROMIUM):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import xgrammar
+
+xgrammar = pytest.importorskip("xgrammar")
 
 from turnout.ops.reference.bitmask import APPLY_TOKEN_BITMASK, apply_token_bitmask, random_bitmask
 from turnout.ops.triton import bitmask as triton_bitmask
