@@ -1,0 +1,126 @@
+"""ERNIE-4.5 dense and MoE, Phi-3 (fused qkv / gate_up checkpoints, a window on every layer, partial rope) and
+Phi-3 with LongRoPE, against transformers on tiny random models: on three prompts, 32 greedy tokens identical to
+HF's ``generate`` and every step's logits within 1e-4 of HF's forward over the same tokens.
+
+The tiny configs make every part count: ERNIE's rope on interleaved pairs (a rotate-half rope fails), biases on
+every dense projection, MoE layers only where start / end / interval put them, an aux-free correction bias large
+enough to change which experts are chosen, shared experts; Phi-3's window far shorter than the generation, rope
+on half of each head, LongRoPE whose long factors differ from its short ones, with prompts longer than
+``original_max_position_embeddings`` (transformers then rotates every position with the long factors).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from test_composed_families_vs_hf import greedy
+from test_dense_vs_hf import rel_err
+from turnout.loader import load_model
+from turnout.ops import resolve
+from turnout.platforms.detect import detect_platform
+
+VOCAB = 256
+STEPS = 32
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, rms_norm_eps=1e-6)
+LONGROPE_ORIGINAL = 24  # the prompts below are longer: transformers runs the long factors throughout
+
+
+def tiny_config(kind: str):
+    if kind == "ernie":
+        return transformers.Ernie4_5Config(**COMMON, num_hidden_layers=2, head_dim=16, use_bias=True,
+                                           tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                                      "rope_theta": 500000.0})
+    if kind == "ernie_moe":  # layers 1 and 2 sparse; 0 (before the start index) and 3 (past the end index) dense
+        return transformers.Ernie4_5_MoeConfig(
+            **COMMON, num_hidden_layers=4, head_dim=16, moe_num_experts=8, moe_k=3, moe_intermediate_size=32,
+            moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1,
+            tie_word_embeddings=False)
+    if kind == "phi3":  # Phi-4-mini's shape of rope: the first half of each head rotated
+        return transformers.Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=12, pad_token_id=0, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5})
+    if kind == "phi3_longrope":
+        gen = torch.Generator().manual_seed(11)
+        half = 64 // 4 // 2  # head_dim 16: 8 frequencies
+        return transformers.Phi3Config(
+            **COMMON, num_hidden_layers=2, pad_token_id=0, tie_word_embeddings=False,
+            original_max_position_embeddings=LONGROPE_ORIGINAL,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                             "original_max_position_embeddings": LONGROPE_ORIGINAL,
+                             "short_factor": (1 + torch.rand(half, generator=gen)).tolist(),
+                             "long_factor": (2 + 8 * torch.rand(half, generator=gen)).tolist()})
+    raise AssertionError(kind)
+
+
+def _randomise(hf_model, seed: int) -> None:
+    """Norms 1 + noise; weights at a 1/sqrt(fan-in) scale so routing is decisive; a correction bias of the
+    softmax scores' own size, so it changes which experts are chosen."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() == 1 else 1.5 * p.shape[-1] ** -0.5))
+
+
+def make(kind: str, path, seed: int = 0):
+    torch.manual_seed(seed)
+    config = tiny_config(kind)
+    config.eos_token_id = None  # the engine side ignores EOS; HF would stop or hold it back
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
+    _randomise(hf, seed)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    return resolve(detect_platform("cpu"))
+
+
+def _prompts(kind: str, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = (30, 41, 27) if kind == "phi3_longrope" else (5, 17, 9)  # all past LONGROPE_ORIGINAL for LongRoPE
+    return [torch.randint(0, VOCAB, (n,), generator=gen) for n in lens]
+
+
+@pytest.mark.parametrize("kind", ["ernie", "ernie_moe", "phi3", "phi3_longrope"])
+def test_greedy_32_tokens_and_logits_match_hf(kind, tmp_path, cpu_ops):
+    hf = make(kind, tmp_path, seed=1)
+    loaded = load_model(str(tmp_path), device="cpu", ops=cpu_ops)
+    assert type(loaded.model).__name__ == hf.config.architectures[0]
+    for i, prompt in enumerate(_prompts(kind, seed=2)):
+        tokens, logits = greedy(loaded.model, loaded.hf_config, prompt, STEPS)
+        with torch.no_grad():
+            ref = hf.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS)[0, len(prompt):]
+            full = hf(torch.cat([prompt, torch.tensor(tokens)])[None]).logits[0, len(prompt) - 1: -1]
+        assert tokens == ref.tolist(), f"prompt {i}"
+        assert len(set(tokens)) > STEPS // 4, f"prompt {i}: a varied continuation, so equal tokens say something"
+        for s in range(STEPS):
+            assert rel_err(logits[s], full[s]) < 1e-4, f"prompt {i} step {s}"
+
+
+@pytest.mark.parametrize("start,end,interval", [(1, -1, 1), (1, 2, 1), (0, 4, 2), (2, 4, 3), (3, 5, 2)])
+def test_ernie_moe_layers_are_where_transformers_puts_them(start, end, interval, cpu_ops):
+    """Which layers have routed experts (start index, end index, interval), against transformers' own layers."""
+    from turnout.layers.moe.layer import SparseMoeBlock
+    from turnout.models.registry import get_model_class
+
+    config = tiny_config("ernie_moe")
+    config.num_hidden_layers, config.moe_layer_start_index = 6, start
+    config.moe_layer_end_index, config.moe_layer_interval = end, interval
+    config = transformers.Ernie4_5_MoeConfig(**config.to_dict())  # __post_init__ resolves end -1
+    with torch.device("meta"):
+        theirs = transformers.Ernie4_5_MoeForCausalLM(config)
+        ours = get_model_class(["Ernie4_5_MoeForCausalLM"])(config, cpu_ops)
+    want = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in theirs.model.layers]
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers] == want
+    assert any(want) and not all(want)
