@@ -90,6 +90,19 @@ def checksum(params) -> dict:
     return {"sum": s, "sum_sq": s2, "numel": n}
 
 
+@torch.no_grad()
+def turnout_checksum(model) -> dict:
+    """``checksum`` of turnout's parameters as the checkpoint holds them: a (1 + w) norm (Gemma) stores 1 + w
+    (turnout/layers/norm.py), so its w is taken back out: sum - n, and sum of squares - 2 sum + n."""
+    c = checksum(model.parameters())
+    for m in model.modules():
+        if getattr(m, "unit_offset", False):
+            w = m.weight.detach().double()
+            c["sum"] -= w.numel()
+            c["sum_sq"] += w.numel() - 2 * float(w.sum())
+    return c
+
+
 def load_into_turnout(llm, hf_model) -> set:
     """Copy the HF weights into the running turnout engine (through its weight map)."""
     model = llm.engine.runner.model
@@ -157,7 +170,7 @@ def mismatch_margins(hf_model, prompts, hf_tokens, ours, first) -> list[dict]:
 def compare(hf_model, llm, prompts, n: int) -> dict:
     """Weights checksum and greedy tokens, turnout vs HF, on identical weights."""
     hf_sum = checksum(hf_model.parameters())
-    tu_sum = checksum(llm.engine.runner.model.parameters())
+    tu_sum = turnout_checksum(llm.engine.runner.model)
     a, b = hf_greedy(hf_model, prompts, n), turnout_greedy(llm, prompts, n)
     first = []
     for x, y in zip(a, b):
