@@ -189,3 +189,31 @@ def test_bf16_on_gpu_matches_hf(kind, tmp_path):
         full = hf(torch.cat([prompt, torch.tensor(tokens, device=dev)])[None]).logits[0, len(prompt) - 1: -1]
     errs = [rel_err(logits[i], full[i]) for i in range(STEPS)]
     assert max(errs) < 5e-2 and sum(errs) / STEPS < 2e-2, [round(e, 4) for e in errs]
+
+
+def test_ernie_router_matches_transformers_router(cpu_ops):
+    """ERNIE-4.5's routing against transformers' ``Ernie4_5_MoeTopKRouter`` on 64 tokens: the same experts in the
+    same order and the same weights, with a correction bias that changes the choice (without it, other experts)."""
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+
+    from turnout.layers.moe.layer import Router
+    from turnout.layers.moe.router import RoutingConfig
+
+    config = tiny_config("ernie_moe")
+    gen = torch.Generator().manual_seed(0)
+    theirs = Ernie4_5_MoeTopKRouter(config)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(theirs.weight.shape, generator=gen) * 0.3)
+        theirs.moe_statics.e_score_correction_bias.copy_(torch.randn(1, 8, generator=gen) * 0.1)
+    ours = Router(64, RoutingConfig.from_hf_config(config), logits_fp32=True, ops=cpu_ops)
+    tensors = {"weight": theirs.weight, "e_score_correction_bias": theirs.moe_statics.e_score_correction_bias}
+    for name, tensor in tensors.items():
+        param = getattr(ours, name)
+        param.weight_loader(param, tensor.detach())
+    x = torch.randn(64, 64, generator=gen)
+    _, want_w, want_ids = theirs(x)
+    w, ids = ours(x)
+    assert torch.equal(ids.long(), want_ids) and torch.allclose(w, want_w, rtol=1e-6, atol=1e-7)
+    with torch.no_grad():
+        theirs.moe_statics.e_score_correction_bias.zero_()
+    assert not torch.equal(theirs(x)[2], want_ids)  # the bias mattered
