@@ -1,7 +1,7 @@
 """Windowed families through the whole engine with prefix caching and chunked prefill, where both cross window
 boundaries: tiny Gemma 2 (sliding and global layers, soft-caps), Gemma 3 (sliding and global layers, rope per
-layer type) and Mistral (a window on every layer, whose blocks are released as they fall out of it), windows of
-5-8 tokens, KV blocks of 4, prefill chunks of 8 tokens. A first request computes a 21-token prompt; then two
+layer type), Mistral and Phi-3 (a window on every layer, whose blocks are released as they fall out of it),
+windows of 5-8 tokens, KV blocks of 4, prefill chunks of 8 tokens. A first request computes a 21-token prompt; then two
 requests reuse its blocks from the prefix cache (16 and 20 tokens: several windows deep) and prefill the rest
 in chunks. Every request's greedy tokens equal transformers' ``generate`` on the same weights.
 (tests/engine/test_sliding_window_engine.py: Mistral at TP=1 and 2 with bounded blocks, prompts inside one
@@ -32,6 +32,10 @@ def _config(kind: str):
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     if kind == "mistral":
         return transformers.MistralConfig(**COMMON, num_hidden_layers=2, sliding_window=8)
+    if kind == "phi3":  # a window on every layer, rope on half of each head, packed checkpoint tensors
+        return transformers.Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=7, pad_token_id=0,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                        "partial_rotary_factor": 0.5})
     raise AssertionError(kind)
 
 
@@ -41,7 +45,7 @@ def _prompts():
     return first, [first[:18] + torch.randint(0, VOCAB, (5,), generator=g).tolist(), first + [3]]
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "mistral"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "mistral", "phi3"])
 def test_prefix_hits_and_chunks_across_windows_match_hf(kind, tmp_path):
     torch.manual_seed(0)
     config = _config(kind)
@@ -78,7 +82,7 @@ def test_prefix_hits_and_chunks_across_windows_match_hf(kind, tmp_path):
                      if a.sliding_window)
         # both later requests found blocks several windows deep: 16 tokens (4 blocks) and 20 (5 blocks)
         assert eng.scheduler.num_prefix_cached_tokens == 16 + 20 > 4 * window
-        if kind == "mistral":  # every layer sliding: the blocks behind the window went back
+        if kind in ("mistral", "phi3"):  # every layer sliding: the blocks behind the window went back
             assert eng.block_manager.num_window_released > 0
     finally:
         llm.engine.executor.shutdown()
