@@ -109,6 +109,15 @@ def test_ernie_moe_correction_bias_must_match_the_experts(ops):
         load_weights(get_model_class(["Ernie4_5_MoeForCausalLM"])(config, ops), missing.items())
 
 
+@pytest.mark.parametrize("field,value,why", [("moe_layer_start_index", [1, 1], "must be an integer"),
+                                             ("moe_layer_interval", 0, "must be >= 1")])
+def test_ernie_moe_layer_range_fields_are_checked(field, value, why, ops):
+    config = _ernie_moe_config()
+    object.__setattr__(config, field, value)  # past transformers' own field check, as a hand-written config is
+    with pytest.raises(ValueError, match=f"{field} {why}"):
+        _build("Ernie4_5_MoeForCausalLM", config, ops)
+
+
 def test_ernie_moe_with_biased_projections_is_refused_by_field(ops):
     config = _ernie_moe_config()
     config.use_bias = True

@@ -19,11 +19,22 @@ from turnout.models.ernie4_5 import use_bias
 from turnout.models.moe_decoder import MoeDecoderForCausalLM
 
 
+def _layer_index(config, name: str, default: int) -> int:
+    value = getattr(config, name, None)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):  # the VL models' per-modality lists
+        raise ValueError(f"{name} must be an integer for Ernie4_5_MoeForCausalLM, got {value!r}")
+    return value
+
+
 def is_ernie_moe_layer(config, layer_idx: int) -> bool:
-    start = int(getattr(config, "moe_layer_start_index", 0) or 0)
-    end = getattr(config, "moe_layer_end_index", -1)
-    end = config.num_hidden_layers - 1 if end is None or end == -1 else int(end)
-    interval = int(getattr(config, "moe_layer_interval", 1) or 1)
+    start = _layer_index(config, "moe_layer_start_index", 0)
+    end = _layer_index(config, "moe_layer_end_index", -1)
+    end = config.num_hidden_layers - 1 if end == -1 else end
+    interval = _layer_index(config, "moe_layer_interval", 1)
+    if interval < 1:
+        raise ValueError(f"moe_layer_interval must be >= 1, got {interval}")
     return start <= layer_idx <= end and (layer_idx + 1) % interval == 0
 
 
