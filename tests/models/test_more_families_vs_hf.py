@@ -217,3 +217,23 @@ def test_ernie_router_matches_transformers_router(cpu_ops):
     with torch.no_grad():
         theirs.moe_statics.e_score_correction_bias.zero_()
     assert not torch.equal(theirs(x)[2], want_ids)  # the bias mattered
+
+
+@pytest.mark.parametrize("max_position", [LONGROPE_ORIGINAL, 256])
+def test_longrope_cache_is_transformers_short_or_long_rope(max_position, cpu_ops):
+    """The cos/sin cache equals transformers' Phi-3 rotary embedding for a sequence of the model's whole context:
+    the short factors for a model built for the original length, the long ones past it (with the attention
+    factor of max / original positions either way)."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from turnout.layers.rotary import get_rope
+
+    config = tiny_config("phi3_longrope")
+    config.max_position_embeddings = max_position
+    rope = get_rope(config, 16, max_position, cpu_ops)
+    positions = torch.arange(max_position)[None]
+    cos, sin = Phi3RotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)  # [1, P, 16]
+    assert torch.allclose(rope.cos_sin_cache, torch.cat([cos[0, :, :8], sin[0, :, :8]], -1), rtol=1e-6, atol=1e-6)
+    short = Phi3RotaryEmbedding(config)(torch.zeros(1), positions[:, :LONGROPE_ORIGINAL])[0]
+    uses_long = not torch.allclose(rope.cos_sin_cache[:LONGROPE_ORIGINAL, :8], short[0, :, :8])
+    assert uses_long == (max_position > LONGROPE_ORIGINAL)
