@@ -237,3 +237,34 @@ def test_longrope_cache_is_transformers_short_or_long_rope(max_position, cpu_ops
     short = Phi3RotaryEmbedding(config)(torch.zeros(1), positions[:, :LONGROPE_ORIGINAL])[0]
     uses_long = not torch.allclose(rope.cos_sin_cache[:LONGROPE_ORIGINAL, :8], short[0, :, :8])
     assert uses_long == (max_position > LONGROPE_ORIGINAL)
+
+
+def test_phi3_packed_checkpoint_equals_the_same_weights_split_also_in_fp8(tmp_path, cpu_ops):
+    """A full-rope, windowless Phi-3 is Llama with packed tensors: its checkpoint and the same weights split into
+    q/k/v and gate/up as a Llama checkpoint give bit-identical logits, unquantised and with online fp8 (the packed
+    tensor quantised per row and loaded through the same packed loader)."""
+    config = transformers.Phi3Config(**COMMON, num_hidden_layers=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    phi = transformers.Phi3ForCausalLM(config).eval()
+    _randomise(phi, 1)
+    phi.save_pretrained(tmp_path / "phi3", safe_serialization=True)
+    split = {}
+    for name, tensor in phi.state_dict().items():
+        if ".qkv_proj." in name:
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.split([64, 32, 32]), strict=True):
+                split[name.replace("qkv_proj", part)] = rows
+        elif ".gate_up_proj." in name:
+            for part, rows in zip(("gate_proj", "up_proj"), tensor.chunk(2), strict=True):
+                split[name.replace("gate_up_proj", part)] = rows
+        else:
+            split[name] = tensor
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, num_hidden_layers=2,
+                                                                    tie_word_embeddings=False))
+    llama.load_state_dict(split, strict=True)
+    llama.save_pretrained(tmp_path / "llama", safe_serialization=True)
+    prompt = _prompts("phi3", seed=2)[1]
+    for quantization in (None, "fp8"):
+        logits = [greedy(load_model(str(tmp_path / kind), device="cpu", ops=cpu_ops, quantization=quantization).model,
+                         transformers.AutoConfig.from_pretrained(tmp_path / kind), prompt, 3)[1]
+                  for kind in ("phi3", "llama")]
+        assert torch.equal(logits[0], logits[1]), quantization
