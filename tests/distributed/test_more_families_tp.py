@@ -114,3 +114,42 @@ def test_tp2_matches_tp1(world, name):
             else:  # TP: every expert, half its intermediate dim
                 assert gu == (full_gu[0], full_gu[1] // 2, full_gu[2]) and down == (*full_down[:2], full_down[2] // 2)
     assert bool(ref_shapes) == name.startswith("ernie_moe")
+
+
+KW = dict(device="cpu", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True)
+
+
+def _held_experts(worker):
+    return [start for _, _, start in moe_ranks.expert_shapes(worker.loaded.model)]
+
+
+@pytest.mark.parametrize("kind", ["ernie_moe", "phi3"])
+def test_llm_two_ranks_match_one_rank(kind, tmp_path):
+    """The whole engine with two ranks (the mp executor; ERNIE MoE splitting its experts by id, Phi-3 cutting its
+    packed tensors per rank) against one rank: greedy tokens and logprobs through 16-token prefill chunks and
+    prefix-cache hits."""
+    from turnout import LLM, SamplingParams
+
+    _save_random(kind, tmp_path, 5)
+    shared = _prompts(kind, 6)[1]  # 17 tokens, a prefix of the first two prompts
+    batch = [shared + [1, 2, 3], shared + [4], _prompts(kind, 7)[0], [7]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def run(llm):
+        outs = llm.generate(batch, params, use_tqdm=False)
+        return ([o.outputs[0].token_ids for o in outs],
+                [[lp[t] if isinstance(lp[t], float) else lp[t].logprob for lp, t in
+                  zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+
+    ref_tokens, ref_lps = run(LLM(str(tmp_path), **KW))
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=kind == "ernie_moe", **KW)
+    try:
+        tokens, lps = run(llm)
+        held = llm.engine.executor.collective_rpc(_held_experts)
+    finally:
+        llm.engine.executor.shutdown()
+    # ERNIE: two sparse layers (0 and 3 dense), each rank half of 8 experts
+    assert held == ([[0, 0], [4, 4]] if kind == "ernie_moe" else [[], []])
+    assert tokens == ref_tokens
+    for a, b in zip(lps, ref_lps, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
