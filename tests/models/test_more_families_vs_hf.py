@@ -166,7 +166,8 @@ def test_through_the_triton_kernels_with_a_gpus_plan_matches_hf(kind, tmp_path):
 def test_bf16_on_gpu_matches_hf(kind, tmp_path):
     """bf16 through the platform's kernels and the GPU's fusion plan (one-row projections with fused pre-norms,
     rope and the window inside the decode attention kernel, the routing and expert kernels): every step's logits of
-    a 32-token greedy generation within 5e-2 (mean 2e-2) of HF's float32 forward over the same tokens."""
+    a 32-token greedy generation within 5e-2 (mean 2e-2) of HF's float32 forward over the same tokens, or within
+    1.5 times HF's own bf16 error where that is larger."""
     from test_dense_vs_hf import decode_meta, kv_caches, prefill_meta
     from turnout.layers.fusion import plan_fusions
 
@@ -185,10 +186,16 @@ def test_bf16_on_gpu_matches_hf(kind, tmp_path):
             dmeta, dpos = decode_meta([len(prompt) + len(tokens) - 1], meta.block_tables, dev)
             logits.append(model.compute_logits(model(torch.tensor(tokens[-1:], device=dev), dpos, caches, dmeta))[0])
             tokens.append(int(logits[-1].argmax()))
+    ids = torch.cat([prompt, torch.tensor(tokens, device=dev)])[None]
     with torch.no_grad():
-        full = hf(torch.cat([prompt, torch.tensor(tokens, device=dev)])[None]).logits[0, len(prompt) - 1: -1]
+        full = hf(ids).logits[0, len(prompt) - 1: -1]
+        hf_bf16 = hf.to(torch.bfloat16)(ids).logits[0, len(prompt) - 1: -1]  # HF's own bf16 error, the yardstick
     errs = [rel_err(logits[i], full[i]) for i in range(STEPS)]
-    assert max(errs) < 5e-2 and sum(errs) / STEPS < 2e-2, [round(e, 4) for e in errs]
+    theirs = [rel_err(hf_bf16[i], full[i]) for i in range(STEPS)]
+    # an expert chosen differently in bf16 (a near tie) moves a step's logits for HF's bf16 as for ours
+    assert all(e <= max(5e-2, 1.5 * h) for e, h in zip(errs, theirs, strict=True)), \
+        [(round(e, 4), round(h, 4)) for e, h in zip(errs, theirs, strict=True)]
+    assert sum(errs) / STEPS <= max(2e-2, 1.5 * sum(theirs) / STEPS)
 
 
 def test_ernie_router_matches_transformers_router(cpu_ops):
