@@ -31,7 +31,12 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Run as a script, Python puts benchmarks/ first on sys.path, where kernels.py would shadow the `kernels` package
+# that transformers probes for when it imports its activations (an ImportError before any model is built).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if __name__ == "__main__":
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 from turnout.entrypoints.bench_models import random_prompts, resolve_model  # noqa: E402
 from turnout.utils.roofline import machine  # noqa: E402
 
@@ -88,6 +93,19 @@ def checksum(params) -> dict:
         s2 += float((x * x).sum())
         n += p.numel()
     return {"sum": s, "sum_sq": s2, "numel": n}
+
+
+@torch.no_grad()
+def turnout_checksum(model) -> dict:
+    """``checksum`` of turnout's parameters as the checkpoint holds them: a (1 + w) norm (Gemma) stores 1 + w
+    (turnout/layers/norm.py), so its w is taken back out: sum - n, and sum of squares - 2 sum + n."""
+    c = checksum(model.parameters())
+    for m in model.modules():
+        if getattr(m, "unit_offset", False):
+            w = m.weight.detach().double()
+            c["sum"] -= w.numel()
+            c["sum_sq"] += w.numel() - 2 * float(w.sum())
+    return c
 
 
 def load_into_turnout(llm, hf_model) -> set:
@@ -157,7 +175,7 @@ def mismatch_margins(hf_model, prompts, hf_tokens, ours, first) -> list[dict]:
 def compare(hf_model, llm, prompts, n: int) -> dict:
     """Weights checksum and greedy tokens, turnout vs HF, on identical weights."""
     hf_sum = checksum(hf_model.parameters())
-    tu_sum = checksum(llm.engine.runner.model.parameters())
+    tu_sum = turnout_checksum(llm.engine.runner.model)
     a, b = hf_greedy(hf_model, prompts, n), turnout_greedy(llm, prompts, n)
     first = []
     for x, y in zip(a, b):

@@ -32,6 +32,10 @@ CONFIGS = {
     "Glm4MoeForCausalLM": lambda: transformers.Glm4MoeConfig(**SMALL, **MOE, n_routed_experts=8, n_group=2,
                                                              topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
                                                              head_dim=8),
+    "Ernie4_5ForCausalLM": lambda: transformers.Ernie4_5Config(**SMALL, head_dim=8, use_bias=True),
+    "Ernie4_5_MoeForCausalLM": lambda: transformers.Ernie4_5_MoeConfig(**SMALL, head_dim=8, moe_num_experts=4, moe_k=2,
+                                                                       moe_intermediate_size=16),
+    "Phi3ForCausalLM": lambda: transformers.Phi3Config(**SMALL, sliding_window=8, pad_token_id=0),
 }
 POST_NORM = {"Olmo2ForCausalLM"}
 PLAN = FusionPlan(one_row_linear=True, prenorm_linear=True, prenorm_pays=lambda n, k: True, rope_attention=True)

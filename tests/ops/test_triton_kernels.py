@@ -399,7 +399,7 @@ def test_gpu_sample_matches_reference_full_vocab():
     assert mismatches == 0, f"{mismatches} of {b} rows differ"
 
 
-@pytest.mark.parametrize("e,k", [(8, 2), (60, 4), (128, 8), (160, 8)])
+@pytest.mark.parametrize("e,k", [(8, 2), (60, 4), (128, 8), (160, 8), (64, 6), (24, 3)])
 def test_select_experts_ties_take_the_lower_id(e, k):
     """Logits on a coarse grid (many exact ties, also at the k-th place): the kernel's argmax rounds give the
     reference's ids and weights, which are a stable descending sort's."""

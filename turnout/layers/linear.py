@@ -210,10 +210,20 @@ class _PackedColumnLinear(ColumnParallelLinear):
         return sum(size for _, size in self.shard_offsets.values()), inp
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
-        if shard_id is None:  # a checkpoint that already stores the packed tensor
-            if self.tp_size != 1:
-                raise ValueError("a pre-packed checkpoint tensor cannot be split across ranks")
-            return default_weight_loader(param, loaded_weight)
+        if shard_id is None:  # a checkpoint that already stores the packed tensor (Phi-3's qkv_proj, gate_up_proj)
+            if self.tp_size == 1:
+                return default_weight_loader(param, loaded_weight)
+            # under TP each part is split on its own: cut the full tensor into its parts, in packing order
+            total = sum(self.shard_sizes.values())
+            if loaded_weight.shape[0] != total or loaded_weight.shape[1:] != param.shape[1:]:
+                raise ValueError(f"shape mismatch for the packed tensor: checkpoint tensor "
+                                 f"{tuple(loaded_weight.shape)}, expected {(total, *param.shape[1:])} "
+                                 f"(parts {dict(self.shard_sizes)})")
+            start = 0
+            for sid, size in self.shard_sizes.items():
+                self.weight_loader(param, loaded_weight.narrow(0, start, size), sid)
+                start += size
+            return
         if shard_id not in self.shard_offsets:
             raise ValueError(f"unknown shard {shard_id!r}; this layer packs {list(self.shard_offsets)}")
         off, size = self.shard_offsets[shard_id]

@@ -50,8 +50,28 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return params
 
 
-def inv_freq_and_scaling(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rot_dim / 2] float32, attention scaling of cos/sin) for ``config`` (and its ``layer_type``)."""
+def longrope_uses_long_factors(config, params: dict, max_position: int | None) -> bool:
+    """LongRoPE (Phi-3/3.5/4-mini): whether the long factors rotate every position.
+
+    transformers picks per forward: the long factors for every position once the sequence is longer than
+    ``original_max_position_embeddings``, the short ones below, and drops its KV cache when a sequence
+    crosses (every cached key re-rotated). A paged cache shared by prefix hits and chunks cannot re-rotate
+    keys, so the choice is made once for the model, from the context it is built for (vLLM decides the same
+    way, from its max_model_len): long when that context goes past ``original_max_position_embeddings``.
+    Every sequence then equals transformers' long-factor forward, which is what transformers computes for a
+    sequence past the original length; a model built for the original length runs the short factors."""
+    original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                        None)
+    if not original:
+        raise ValueError("rope_type 'longrope' needs original_max_position_embeddings (in rope_parameters or the "
+                         "config)")
+    return max_position is not None and max_position > int(original)
+
+
+def inv_freq_and_scaling(config, head_dim: int, layer_type: str | None = None,
+                         max_position: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rot_dim / 2] float32, attention scaling of cos/sin) for ``config`` (and its ``layer_type``).
+    ``max_position``: the positions the cache covers (LongRoPE's choice of factors reads it)."""
     params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type == "default":
@@ -66,11 +86,16 @@ def inv_freq_and_scaling(config, head_dim: int, layer_type: str | None = None) -
     if rope_type == "dynamic":
         logger.warning("rope_type 'dynamic': the cache uses the base frequencies; HF rescales them "
                        "only past max_position_embeddings, which the engine does not exceed")
+    kwargs = {}
+    if rope_type == "longrope" and longrope_uses_long_factors(config, params, max_position):
+        # transformers' own init function returns the long factors for a sequence this long
+        kwargs["seq_len"] = int(params.get("original_max_position_embeddings")
+                                or config.original_max_position_embeddings) + 1
     if rope_by_layer_type(config):  # transformers reads that type's dict itself (none asked: the global layers')
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"),
-                                                           layer_type=layer_type or "full_attention")
+                                                           layer_type=layer_type or "full_attention", **kwargs)
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
 
 
@@ -131,7 +156,7 @@ def get_rope(config, head_dim: int, max_position: int, ops, is_neox: bool = True
     torch.set_default_dtype(torch.float32)
     try:
         with torch.device("cpu"):
-            inv_freq, scaling = inv_freq_and_scaling(config, head_dim, layer_type)
+            inv_freq, scaling = inv_freq_and_scaling(config, head_dim, layer_type, max_position)
             cache = build_cos_sin_cache(inv_freq, max_position, scaling)
     finally:
         torch.set_default_dtype(old)

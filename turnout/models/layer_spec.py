@@ -62,12 +62,12 @@ def layer_types(config) -> list[str]:
     if types is None:
         return ["full_attention"] * n
     types = list(types)
-    if len(types) < n:
+    if len(types) != n:  # transformers refuses a config whose layer_types do not list each layer once
         raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers {n}")
     unknown = sorted(set(types[:n]) - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")
-    return types[:n]
+    return types
 
 
 def attention_spec(config, layer_idx: int, window_every_layer: bool = False, sinks: bool = False) -> AttentionSpec:
@@ -80,6 +80,9 @@ def attention_spec(config, layer_idx: int, window_every_layer: bool = False, sin
         raise ValueError("use_bidirectional_attention is set: turnout's attention is causal only")
     layer_type = layer_types(config)[layer_idx]
     window = _positive(config, "sliding_window")
+    if layer_type == "sliding_attention" and window is None:  # HF would build a mask with no window in it
+        raise ValueError(f"layer_types[{layer_idx}] is 'sliding_attention' but sliding_window is "
+                         f"{getattr(config, 'sliding_window', None)!r}: a sliding layer needs a positive window")
     if layer_type == "full_attention" and not (window_every_layer and getattr(config, "layer_types", None) is None):
         window = None
     if window is not None:

@@ -9,9 +9,12 @@ import importlib
 MODELS: dict[str, str] = {
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "mistral:MistralForCausalLM",
+    "Ernie4_5ForCausalLM": "ernie4_5:Ernie4_5ForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
+    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",

@@ -41,6 +41,13 @@ from turnout.layers.norm import resolve
 from turnout.layers.weights import default_weight_loader
 
 
+def _per_expert_vector_loader(param, loaded, shard_id=None) -> None:
+    """[E]; also [1, E], as ERNIE-4.5 stores its correction bias (one row per expert group, and one group)."""
+    if loaded.dim() == 2 and loaded.shape[0] == 1:
+        loaded = loaded[0]
+    default_weight_loader(param, loaded, shard_id)
+
+
 class Router(nn.Module):
     """``weight`` [E, H]; optional ``e_score_correction_bias`` [E] and ``per_expert_scale`` [E] (float32).
     ``plan``: one-row logits through ``ops.small_m_linear`` and, for a bf16/fp16 gate, the layer's pending
@@ -60,7 +67,7 @@ class Router(nn.Module):
                              ("per_expert_scale", routing.has_per_expert_scale)):
             if wanted:
                 setattr(self, name, nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False))
-                getattr(self, name).weight_loader = default_weight_loader
+                getattr(self, name).weight_loader = _per_expert_vector_loader
             else:
                 setattr(self, name, None)
         self.weight.weight_loader = default_weight_loader

@@ -122,6 +122,14 @@ def _deepseek_v2(config) -> RoutingConfig:
                          routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0))
 
 
+def _ernie4_5_moe(config) -> RoutingConfig:
+    # ERNIE-4.5: softmax over all experts, chosen with the aux-free correction bias (moe_use_aux_free, on in
+    # every released checkpoint), the chosen probabilities renormalised.
+    return RoutingConfig(num_experts=_num_experts(config), top_k=config.num_experts_per_tok, scoring="softmax",
+                         renormalize=True,
+                         has_correction_bias=getattr(config, "moe_use_aux_free", True) is not False)
+
+
 _FAMILIES = {
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,
@@ -129,6 +137,7 @@ _FAMILIES = {
     "glm4_moe": _noaux_tc,
     "deepseek_v3": _noaux_tc,
     "deepseek_v2": _deepseek_v2,
+    "ernie4_5_moe": _ernie4_5_moe,
 }
 
 

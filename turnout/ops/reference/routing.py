@@ -67,6 +67,8 @@ def _samples(device, dtype, gen):
         (9, 160, 8, "sigmoid", False, 1, 1, True, 2.5, True, False),  # GLM-4.5 (noaux_tc, one group)
         (12, 64, 6, "sigmoid", False, 8, 4, True, 2.5, True, True),  # DeepSeek-V3-like groups + learnable scale
         (5, 32, 4, "softmax", False, 4, 2, False, 1.0, False, True),  # groups ranked by max, per-expert scale
+        (7, 64, 6, "softmax", False, 1, 1, True, 1.0, True, False),  # ERNIE-4.5: softmax, aux-free bias, k = 6
+        (6, 24, 3, "softmax", True, 1, 1, False, 1.0, False, False),  # softmax after a top-k of 3
     ]
     for t, e, k, scoring, after, ng, tg, renorm, scale_f, bias, scale in cases:
         logits = randn((t, e), dtype, device, gen, 2.0)

@@ -16,7 +16,8 @@ from turnout.ops.triton._pdl import pdl_args, pdl_wait
 
 @triton.jit
 def _route_kernel(LOGITS, BIAS, SCALE, W_OUT, ID_OUT, E, stride_row, scaling,
-                  K: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr, AFTER_TOPK: tl.constexpr,
+                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
+                  AFTER_TOPK: tl.constexpr,
                   RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # before any access to activations (turnout/ops/triton/_pdl.py)
     row = tl.program_id(0)
@@ -35,9 +36,9 @@ def _route_kernel(LOGITS, BIAS, SCALE, W_OUT, ID_OUT, E, stride_row, scaling,
     if HAS_BIAS:
         choice = choice + tl.load(BIAS + offs, mask=ok, other=0.0).to(tl.float32)
     choice = tl.where(ok, choice, float("-inf"))
-    ks = tl.arange(0, K)
-    ids = tl.zeros([K], dtype=tl.int32)
-    w = tl.zeros([K], dtype=tl.float32)
+    ks = tl.arange(0, K_PAD)  # K rounded up to a power of two (tl.arange needs one); slots past K stay unused
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
     for i in tl.static_range(K):
         best = tl.max(choice, 0)
         idx = tl.min(tl.where(choice == best, offs, BLOCK_E), 0)
@@ -46,6 +47,7 @@ def _route_kernel(LOGITS, BIAS, SCALE, W_OUT, ID_OUT, E, stride_row, scaling,
         w = tl.where(ks == i, tl.sum(tl.where(hit, scores, 0.0), 0), w)
         choice = tl.where(hit, float("-inf"), choice)
     if AFTER_TOPK:  # Mixtral: softmax over the k chosen logits
+        w = tl.where(ks < K, w, float("-inf"))
         e = tl.exp(w - tl.max(w, 0))
         w = e / tl.sum(e, 0)
     elif RENORM:
@@ -53,8 +55,8 @@ def _route_kernel(LOGITS, BIAS, SCALE, W_OUT, ID_OUT, E, stride_row, scaling,
     w = w * scaling
     if HAS_SCALE:
         w = w * tl.load(SCALE + ids).to(tl.float32)
-    tl.store(W_OUT + row * K + ks, w)
-    tl.store(ID_OUT + row * K + ks, ids)
+    tl.store(W_OUT + row * K + ks, w, mask=ks < K)
+    tl.store(ID_OUT + row * K + ks, ids, mask=ks < K)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, scoring: str, softmax_after_topk: bool, n_group: int,
@@ -62,8 +64,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring: str, softma
                    e_score_correction_bias: torch.Tensor | None = None,
                    per_expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     t, e = router_logits.shape
-    if n_group > 1 or top_k & (top_k - 1) or e > 4096:
-        # grouped top-k, or a k that is not a power of two (tl.arange needs one): the reference
+    if n_group > 1 or e > 4096:  # grouped top-k: the reference
         return ref.select_experts(router_logits, top_k, scoring, softmax_after_topk, n_group, topk_group,
                                   renormalize, routed_scaling_factor, e_score_correction_bias, per_expert_scale)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
@@ -74,7 +75,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring: str, softma
     bias = e_score_correction_bias if e_score_correction_bias is not None else weights
     scale = per_expert_scale if per_expert_scale is not None else weights
     _route_kernel[(t,)](logits, bias, scale, weights, ids, e, logits.stride(0), float(routed_scaling_factor),
-                        K=top_k, BLOCK_E=triton.next_power_of_2(e), SIGMOID=scoring == "sigmoid",
+                        K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e), SIGMOID=scoring == "sigmoid",
                         AFTER_TOPK=bool(softmax_after_topk), RENORM=bool(renormalize),
                         HAS_BIAS=e_score_correction_bias is not None, HAS_SCALE=per_expert_scale is not None,
                         num_warps=4 if e > 256 else 1, **pdl_args(logits, "routing"))
