@@ -9,6 +9,8 @@ import importlib
 MODELS: dict[str, str] = {
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "mistral:MistralForCausalLM",
+    "DeepseekV2ForCausalLM": "deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "deepseek:DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
@@ -18,6 +20,7 @@ MODELS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM": "deepseek:Glm4MoeLiteForCausalLM",
 }
 
 

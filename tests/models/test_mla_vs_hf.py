@@ -1,0 +1,211 @@
+"""The latent-attention families against transformers on tiny random float32 checkpoints (CPU):
+
+- DeepSeek-V2-Lite-shaped: no query compression, softmax greedy routing, two shared experts, a dense first layer;
+- DeepSeek-V3-shaped: q_lora, noaux_tc routing over 4 groups (keep 2) with a non-zero correction bias,
+  routed_scaling_factor 2.5, YaRN rope with mscale / mscale_all_dim (the softmax scale changes), interleaved rope;
+- GLM-4-MoE-Lite-shaped: mlp_layer_types, rotate-half rope (rope_interleave False), noaux_tc without groups.
+
+For each: last-position logits of three prompts within 1e-4 (of the largest logit) of transformers', and 32 greedy
+tokens through the engine identical to transformers' ``generate``. Then through the engine: prefix-cache hits,
+chunked prefill, swap preemption and an fp8 latent cache; and the refusals (a missing or misshapen latent
+projection names the tensor, DeepSeek-V3.2's indexer names the field).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from turnout import LLM, SamplingParams  # noqa: E402
+from turnout.kv.spec import CacheLayout, LatentSpec  # noqa: E402
+from turnout.layers.attention import AttentionMetadata  # noqa: E402
+from turnout.loader import load_model  # noqa: E402
+from turnout.ops import resolve  # noqa: E402
+from turnout.platforms.detect import detect_platform  # noqa: E402
+from turnout.worker.kv_sizing import allocate_caches  # noqa: E402
+
+VOCAB, BLOCK, STEPS = 128, 16, 32
+KW = dict(kv_cache_memory=4 << 20, enforce_eager=True, device="cpu", block_size=BLOCK)
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-6,
+              tie_word_embeddings=False)
+
+
+def tiny_config(kind: str):
+    if kind == "v2_lite":
+        return transformers.DeepseekV2Config(**COMMON, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=2,
+                                             n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
+                                             routed_scaling_factor=1.0)
+    if kind == "v3":
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+        return transformers.DeepseekV3Config(**COMMON, q_lora_rank=24, n_routed_experts=16, num_experts_per_tok=4,
+                                             n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                                             routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=yarn,
+                                             rope_interleave=True, num_nextn_predict_layers=0)
+    if kind == "glm4_moe_lite":
+        return transformers.Glm4MoeLiteConfig(**COMMON, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2,
+                                              n_group=1, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8,
+                                              mlp_layer_types=["dense", "sparse", "sparse"], rope_interleave=False)
+    raise AssertionError(kind)
+
+
+KINDS = ("v2_lite", "v3", "glm4_moe_lite")
+
+
+def build_hf(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:  # larger than HF's init so that routing is decisive and every layer matters
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() == 1 else p.shape[-1] ** -0.5))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change the choice
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for kind in KINDS:
+        path = tmp_path_factory.mktemp(kind)
+        hf = build_hf(kind)
+        hf.save_pretrained(path)
+        out[kind] = (str(path), hf)
+    return out
+
+
+def prompts(n=3, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(5, 40, (n,), generator=g)]
+
+
+def _prefill(model, ids: list[int]):
+    """Our logits at every position of one prompt: a prefill over a fresh latent cache."""
+    n = len(ids)
+    layout = CacheLayout(tuple(model.kv_specs("float32")))
+    nb = -(-n // BLOCK)
+    caches = allocate_caches(layout, nb, BLOCK, 1, "cpu")
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange(nb, dtype=torch.int32)[None],
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32), max_query_len=n, max_seq_len=n)
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), caches, meta))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_last_logits_within_1e_4_of_transformers(kind, checkpoints):
+    path, hf = checkpoints[kind]
+    model = load_model(path, dtype=torch.float32, device="cpu", ops=resolve(detect_platform("cpu"))).model
+    assert all(isinstance(s, LatentSpec) for s in model.kv_specs("float32"))
+    for ids in prompts():
+        ours = _prefill(model, ids)[-1]
+        with torch.no_grad():
+            theirs = hf(torch.tensor([ids])).logits[0, -1]
+        err = (ours - theirs).abs().max().item()
+        assert err <= 1e-4 * theirs.abs().max().item(), f"{kind}: max |diff| {err:.3g}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_32_tokens_equal_transformers(kind, checkpoints):
+    path, hf = checkpoints[kind]
+    llm = LLM(path, **KW)
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+    for ids, ours in zip(prompts(), got):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS,
+                              pad_token_id=0, eos_token_id=None)
+        assert list(ours) == out[0, len(ids):].tolist(), kind
+
+
+@pytest.fixture(scope="module")
+def v3_reference(checkpoints):
+    """Greedy tokens of the V3-shaped model with an ample cache, whole prefills, no prefix cache."""
+    path, _ = checkpoints["v3"]
+    llm = LLM(path, enable_prefix_caching=False, **KW)
+    ps = prompts(8, seed=11)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    return ps, params, [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+
+
+def test_prefix_hits_and_chunked_prefill_give_the_same_tokens(checkpoints, v3_reference):
+    path, _ = checkpoints["v3"]
+    ps, params, want = v3_reference
+    llm = LLM(path, max_num_batched_tokens=16, **KW)  # prompts up to 40 tokens: prefilled in chunks of 16
+    shared = ps[0][:5] * 7  # 35 tokens: two full blocks to hit
+    first = llm.generate([shared], params, use_tqdm=False)[0]
+    again = llm.generate([shared], params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)] == want
+
+
+def test_swap_preemption_gives_the_same_tokens(checkpoints, v3_reference):
+    path, _ = checkpoints["v3"]
+    ps, params, want = v3_reference
+    probe = LLM(path, **KW)
+    small = LLM(path, preemption_mode="swap", swap_space=0.05, max_num_seqs=8,
+                **{**KW, "kv_cache_memory": 12 * probe.engine.runner.block_bytes})
+    got = [o.outputs[0].token_ids for o in small.generate(ps, params, use_tqdm=False)]
+    assert small.get_stats().swap_preemptions_total > 0
+    assert got == want
+
+
+def test_fp8_latent_cache(checkpoints, v3_reference):
+    path, _ = checkpoints["v3"]
+    ps, params, want = v3_reference
+    llm = LLM(path, kv_cache_dtype="fp8", **KW)
+    runner = llm.engine.runner
+    assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn and len(runner.kv_caches[0]) == 1
+    assert runner.kv_caches[0][0].shape[-1] == 32 + 8  # kv_lora_rank + qk_rope_head_dim, one vector per token
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    # e4m3 keeps 3 mantissa bits: the tokens agree for a while, not necessarily for 24 steps
+    agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
+    assert min(agree) >= 3 and sum(agree) >= len(want) * 12, agree
+
+
+def _edit_checkpoint(src: str, dst, edit) -> str:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_missing_or_misshapen_latent_projection_is_refused_by_name(checkpoints, tmp_path):
+    path, _ = checkpoints["v3"]
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    missing = _edit_checkpoint(path, tmp_path / "missing", lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=r"missing.*layers\.1\.self_attn\.kv_b_proj\.weight"):
+        load_model(missing, dtype=torch.float32, device="cpu", ops=resolve(detect_platform("cpu")))
+    name = "model.layers.2.self_attn.kv_a_proj_with_mqa.weight"
+    bad = _edit_checkpoint(path, tmp_path / "bad", lambda t: t.__setitem__(name, t[name][:-1]))
+    with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa\.weight"):
+        load_model(bad, dtype=torch.float32, device="cpu", ops=resolve(detect_platform("cpu")))
+
+
+def test_sparse_indexer_variant_is_refused_by_field(checkpoints, tmp_path):
+    import json
+
+    path, _ = checkpoints["v3"]
+    dst = tmp_path / "v32"
+    shutil.copytree(path, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["index_topk"] = 2048
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="index_topk"):
+        load_model(str(dst), dtype=torch.float32, device="cpu", ops=resolve(detect_platform("cpu")))
