@@ -135,14 +135,16 @@ def v3_reference(checkpoints):
     """Greedy tokens of the V3-shaped model with an ample cache, whole prefills, no prefix cache."""
     path, _ = checkpoints["v3"]
     llm = LLM(path, enable_prefix_caching=False, **KW)
-    ps = prompts(8, seed=11)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    return ps, params, [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    ps = prompts(6, seed=11)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(ps, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2),
+                        use_tqdm=False)
+    return ps, params, [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
 def test_prefix_hits_and_chunked_prefill_give_the_same_tokens(checkpoints, v3_reference):
     path, _ = checkpoints["v3"]
-    ps, params, want = v3_reference
+    ps, params, want, _ = v3_reference
     llm = LLM(path, max_num_batched_tokens=16, **KW)  # prompts up to 40 tokens: prefilled in chunks of 16
     shared = ps[0][:5] * 7  # 35 tokens: two full blocks to hit
     first = llm.generate([shared], params, use_tqdm=False)[0]
@@ -154,7 +156,7 @@ def test_prefix_hits_and_chunked_prefill_give_the_same_tokens(checkpoints, v3_re
 
 def test_swap_preemption_gives_the_same_tokens(checkpoints, v3_reference):
     path, _ = checkpoints["v3"]
-    ps, params, want = v3_reference
+    ps, params, want, _ = v3_reference
     probe = LLM(path, **KW)
     small = LLM(path, preemption_mode="swap", swap_space=0.05, max_num_seqs=8,
                 **{**KW, "kv_cache_memory": 12 * probe.engine.runner.block_bytes})
@@ -165,15 +167,24 @@ def test_swap_preemption_gives_the_same_tokens(checkpoints, v3_reference):
 
 def test_fp8_latent_cache(checkpoints, v3_reference):
     path, _ = checkpoints["v3"]
-    ps, params, want = v3_reference
+    ps, params, want, logprobs = v3_reference
     llm = LLM(path, kv_cache_dtype="fp8", **KW)
     runner = llm.engine.runner
     assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn and len(runner.kv_caches[0]) == 1
     assert runner.kv_caches[0][0].shape[-1] == 32 + 8  # kv_lora_rank + qk_rope_head_dim, one vector per token
     got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
-    # e4m3 keeps 3 mantissa bits: the tokens agree for a while, not necessarily for 24 steps
-    agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
-    assert min(agree) >= 3 and sum(agree) >= len(want) * 12, agree
+    # e4m3 keeps 3 mantissa bits: on these models a logprob moves by up to 0.2 with an fp8 cache (measured, as
+    # on the fp8 Qwen3 test), so two tokens may swap where the float32 run's best two are within twice that. Equal
+    # tokens wherever its choice is clear; the first step where they differ must be one where they were close
+    compared = 0
+    for g, w, lps in zip(got, want, logprobs):
+        for step, (a, b) in enumerate(zip(g, w)):
+            if a != b:
+                top = sorted((lp.logprob for lp in lps[step].values()), reverse=True)
+                assert top[0] - top[1] < 0.5, f"step {step}: {a} != {b} with a clear margin {top[0] - top[1]:.3f}"
+                break
+            compared += 1
+    assert compared >= 20, compared
 
 
 def _edit_checkpoint(src: str, dst, edit) -> str:
