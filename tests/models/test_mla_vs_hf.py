@@ -220,3 +220,42 @@ def test_sparse_indexer_variant_is_refused_by_field(checkpoints, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="index_topk"):
         load_model(str(dst), dtype=torch.float32, device="cpu", ops=resolve(detect_platform("cpu")))
+
+
+def test_through_the_triton_kernels_prefill_and_decode(checkpoints):
+    """The V3-shaped model with both MLA ops on their Triton kernels (the interpreter here): a prefill, then
+    decode steps over the paged latent cache (split-KV), each step's logits within 1e-4 of transformers'."""
+    from turnout.ops import Policy
+
+    path, hf = checkpoints["v3"]
+    policy = Policy.parse("mla_paged_attention=triton.default;mla_reshape_and_cache=triton.default")
+    ops = resolve(detect_platform("cpu"), policy)
+    assert ops.resolutions["mla_paged_attention"].chosen == "triton.default"
+    model = load_model(path, dtype=torch.float32, device="cpu", ops=ops).model
+    ids = prompts(1, seed=9)[0][:20]
+    n, steps = len(ids), 4
+    layout = CacheLayout(tuple(model.kv_specs("float32")))
+    nb = -(-(n + steps) // BLOCK) + 2
+    caches = allocate_caches(layout, nb, BLOCK, 1, "cpu")
+    table = torch.randperm(nb, generator=torch.Generator().manual_seed(0))[None].to(torch.int32)  # scattered
+
+    def meta(start, count):
+        pos = torch.arange(start, start + count)
+        slots = table[0, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        return pos, AttentionMetadata(slot_mapping=slots, block_tables=table,
+                                      seq_lens=torch.tensor([start + count], dtype=torch.int32),
+                                      query_start_loc=torch.tensor([0, count], dtype=torch.int32),
+                                      max_query_len=count, max_seq_len=start + count)
+
+    tokens = list(ids)
+    with torch.inference_mode():
+        pos, m = meta(0, n)
+        ours = [model.compute_logits(model(torch.tensor(ids), pos, caches, m))[-1]]
+        for _ in range(steps):
+            tokens.append(int(ours[-1].argmax()))
+            pos, m = meta(len(tokens) - 1, 1)
+            ours.append(model.compute_logits(model(torch.tensor(tokens[-1:]), pos, caches, m))[0])
+        theirs = hf(torch.tensor([tokens])).logits[0, n - 1:]
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        err = (a - b).abs().max().item()
+        assert err <= 1e-4 * b.abs().max().item(), f"step {step}: max |diff| {err:.3g}"
