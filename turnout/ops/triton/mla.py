@@ -24,6 +24,7 @@ from turnout.ops.triton.attention_split import _MAX_SPLITS, _num_sms, _split_red
 from turnout.ops.triton.cache import quantize_kv
 
 ROUND_FP8 = interpreted()  # the interpreter's fp8 cast needs values already on the e4m3 grid (cache.py)
+_MAX_GRID_Y = 65535
 
 
 @triton.jit
@@ -73,12 +74,14 @@ def _scale(kv_scale, cache):
 def _mla_decode_kernel(Q_LAT, Q_PE, CACHE, TABLES, SEQ_LENS, QSL, TOKEN_SEQ, S, OUT, LSE,
                        stride_qt, stride_qh, stride_pt, stride_ph, stride_cb, stride_cs, stride_bt,
                        stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-                       num_heads, sm_scale, L: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
+                       num_heads, sm_scale, t0, L: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, FP8_KV: tl.constexpr = False):
     pdl_wait(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
+    # head tiles on the fastest grid axis: the programs that read one token's context run side by side, so its
+    # latent tiles come from DRAM once and from L2 for the other head tiles
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64) + t0
     split = tl.program_id(2)
     seq = tl.load(TOKEN_SEQ + t).to(tl.int64)
     ctx = tl.load(SEQ_LENS + seq)
@@ -152,7 +155,10 @@ def choose_mla_splits(tokens: int, head_tiles: int, max_query_len: int, max_seq_
 def mla_paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                         max_query_len: int, max_seq_len: int, scale: float,
-                        kv_scale: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                        kv_scale: torch.Tensor | None = None, *, num_splits: int | None = None,
+                        tiles: dict | None = None) -> torch.Tensor:
+    """``num_splits``: the policy's choice (None: ``choose_mla_splits``). ``tiles``: any of block_h, block_n,
+    num_warps, num_stages, overriding the built-in launch (benchmarks/mla_decode.py sweeps them)."""
     t, heads, lat = q_lat.shape
     rope = q_pe.shape[-1]
     out = torch.empty_like(q_lat)
@@ -163,8 +169,9 @@ def mla_paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: t
     # each token's sequence, on the device (no host sync: a captured graph replays it)
     token_seq = torch.searchsorted(query_start_loc[1:].to(torch.int32),
                                    torch.arange(t, device=q_lat.device, dtype=torch.int32), right=True)
-    block_h = 16 if heads <= 16 else 32 if lat <= 128 else 16
-    block_n = 32 if lat <= 256 else 16 if latent_cache.element_size() > 1 else 32
+    tiles = tiles or {}
+    block_h = tiles.get("block_h") or 16
+    block_n = tiles.get("block_n") or (32 if lat <= 256 or latent_cache.element_size() == 1 else 16)
     head_tiles = triton.cdiv(heads, block_h)
     splits = num_splits or choose_mla_splits(t, head_tiles, max_query_len, max_seq_len,
                                               _num_sms(q_lat.device.type, q_lat.device.index), block_n)
@@ -179,15 +186,16 @@ def mla_paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: t
         ws_lse = q_lat  # unused
         o, so = out, (out.stride(0), out.stride(1), 0)
     precision = "ieee" if q_lat.dtype == torch.float32 else None  # float32 dots exact, not tf32
-    big = lat >= 256
-    _mla_decode_kernel[(t, head_tiles, splits)](
-        q_lat, q_pe, latent_cache, block_tables, seq_lens, query_start_loc, token_seq, s, o, ws_lse,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), latent_cache.stride(0),
-        latent_cache.stride(1), block_tables.stride(0), *so,
-        ws_lse.stride(0) if splits > 1 else 0, ws_lse.stride(1) if splits > 1 else 0,
-        heads, float(scale), L=lat, R=rope, BS=latent_cache.shape[1], BLOCK_H=block_h, BLOCK_L=block_l,
-        BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION=precision,
-        FP8_KV=fp8, num_warps=8 if big else 4, num_stages=2, **pdl_args(q_lat, "attention"))
+    warps = tiles.get("num_warps") or (8 if lat >= 256 else 4)
+    for t0 in range(0, t, _MAX_GRID_Y):  # the grid's second axis holds at most 65535 programs
+        _mla_decode_kernel[(head_tiles, min(t - t0, _MAX_GRID_Y), splits)](
+            q_lat, q_pe, latent_cache, block_tables, seq_lens, query_start_loc, token_seq, s, o, ws_lse,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), latent_cache.stride(0),
+            latent_cache.stride(1), block_tables.stride(0), *so,
+            ws_lse.stride(0) if splits > 1 else 0, ws_lse.stride(1) if splits > 1 else 0,
+            heads, float(scale), t0, L=lat, R=rope, BS=latent_cache.shape[1], BLOCK_H=block_h, BLOCK_L=block_l,
+            BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION=precision,
+            FP8_KV=fp8, num_warps=warps, num_stages=tiles.get("num_stages") or 2, **pdl_args(q_lat, "attention"))
     if splits > 1:
         _split_reduce_kernel[(t, heads)](
             ws_o, ws_lse, out, splits, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2), ws_lse.stride(0),
