@@ -259,3 +259,63 @@ def test_through_the_triton_kernels_prefill_and_decode(checkpoints):
     for step, (a, b) in enumerate(zip(ours, theirs)):
         err = (a - b).abs().max().item()
         assert err <= 1e-4 * b.abs().max().item(), f"step {step}: max |diff| {err:.3g}"
+
+
+def test_mtp_layers_are_loaded_and_kept(checkpoints, tmp_path):
+    """A checkpoint with one multi-token-prediction layer (``model.layers.3``, as DeepSeek-V3 ships layer 61): its
+    decoder layer, projections, own embedding and head load into ``model.mtp``, the causal LM is unchanged, and
+    the layer runs. Without one of its tensors the load is refused naming it."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path, _ = checkpoints["v3"]
+    donor = build_hf_layers("v3", 4)  # a fourth decoder layer of the same shape, for layer 3's block
+    extra = {k: v for k, v in donor.state_dict().items() if k.startswith("model.layers.3.")}
+    g = torch.Generator().manual_seed(8)
+    h = 64
+    extra.update({"model.layers.3.enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                  "model.layers.3.hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                  "model.layers.3.eh_proj.weight": torch.randn(h, 2 * h, generator=g) * (2 * h) ** -0.5,
+                  "model.layers.3.embed_tokens.weight": torch.randn(VOCAB, h, generator=g),
+                  "model.layers.3.shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                  "model.layers.3.shared_head.head.weight": torch.randn(VOCAB, h, generator=g) * h ** -0.5})
+
+    def with_mtp(dst, drop=None):
+        out = _edit_checkpoint(path, dst, lambda t: t.update({k: v for k, v in extra.items() if k != drop}))
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["num_nextn_predict_layers"] = 1
+        (dst / "config.json").write_text(json.dumps(cfg))
+        return out
+
+    ops = resolve(detect_platform("cpu"))
+    model = load_model(with_mtp(tmp_path / "mtp"), dtype=torch.float32, device="cpu", ops=ops).model
+    layer = model.mtp.layers[0]
+    saved = load_file(tmp_path / "mtp" / "model.safetensors")
+    assert torch.equal(layer.block.self_attn.kv_b_proj.weight, saved["model.layers.3.self_attn.kv_b_proj.weight"])
+    assert torch.equal(layer.eh_proj.weight, saved["model.layers.3.eh_proj.weight"])
+    assert torch.equal(layer.shared_head.head.weight, saved["model.layers.3.shared_head.head.weight"])
+    assert len(model.kv_specs("float32")) == 3  # the step's cache: the main layers only
+    ids = prompts(1)[0]
+    main_logits = _prefill(model, ids)
+    _, hf = checkpoints["v3"]
+    with torch.no_grad():
+        assert (main_logits[-1] - hf(torch.tensor([ids])).logits[0, -1]).abs().max() < 1e-4
+    n = len(ids)
+    caches = allocate_caches(CacheLayout((layer.block.self_attn.kv_spec("float32"),)), 4, BLOCK, 1, "cpu")
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange(4, dtype=torch.int32)[None],
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32), max_query_len=n, max_seq_len=n)
+    with torch.inference_mode():
+        hidden = layer(torch.tensor(ids), torch.arange(n), torch.randn(n, h), caches[0], meta)
+        assert layer.compute_logits(hidden).shape == (n, VOCAB)
+    with pytest.raises(ValueError, match=r"missing.*model\.layers\.3\.eh_proj\.weight"):
+        load_model(with_mtp(tmp_path / "cut", drop="model.layers.3.eh_proj.weight"), dtype=torch.float32,
+                   device="cpu", ops=ops)
+
+
+def build_hf_layers(kind: str, layers: int):
+    cfg = tiny_config(kind)
+    cfg.num_hidden_layers = layers
+    torch.manual_seed(3)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

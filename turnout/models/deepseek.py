@@ -24,7 +24,7 @@ from turnout.layers.mla import MLAAttention
 from turnout.layers.moe.experts import expert_weight_rules
 from turnout.layers.moe.layer import is_moe_layer
 from turnout.models.moe_decoder import MoeDecoderForCausalLM
-from turnout.models.mtp import MultiTokenPredictor, mtp_layer_name
+from turnout.models.mtp import MultiTokenPredictor, checkpoint_names, mtp_layer_name
 from turnout.models.weight_map import load_weights
 
 # fields of variants whose attention this family does not compute: refused, never run as plain MLA
@@ -83,7 +83,10 @@ class DeepseekV2ForCausalLM(MoeDecoderForCausalLM):
     def load_weights(self, weights):
         n = self.config.num_hidden_layers
         count = self.mtp.num_layers if self.mtp is not None else 0
-        return load_weights(self, ((mtp_layer_name(name, n, count), t) for name, t in weights))
+        try:
+            return load_weights(self, ((mtp_layer_name(name, n, count), t) for name, t in weights))
+        except ValueError as e:  # name an MTP tensor as the checkpoint does (model.layers.{n + i}.)
+            raise ValueError(checkpoint_names(str(e), n)) from None
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

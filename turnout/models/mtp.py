@@ -38,6 +38,12 @@ def mtp_layer_name(name: str, num_hidden_layers: int, count: int) -> str:
     return f"mtp.layers.{i}.{rest}" if part in _OWN_PARTS else f"mtp.layers.{i}.block.{rest}"
 
 
+def checkpoint_names(text: str, num_hidden_layers: int) -> str:
+    """``text`` (an error message) with our MTP parameter names written as the checkpoint names them."""
+    return re.sub(r"\bmtp\.layers\.(\d+)\.(?:block\.)?",
+                  lambda m: f"model.layers.{num_hidden_layers + int(m.group(1))}.", text)
+
+
 class MTPLayer(nn.Module):
     def __init__(self, config, ops, family, plan: FusionPlan, layer_idx: int):
         super().__init__()
