@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from turnout.layers.embedding import LMHead, VocabEmbedding
-from turnout.layers.fusion import NO_FUSIONS, FusionPlan
+from turnout.layers.fusion import FusionPlan
 from turnout.layers.linear import ReplicatedLinear
 from turnout.models.decoder_layer import DecoderLayer
 
@@ -53,7 +53,7 @@ class MTPLayer(nn.Module):
         self.eh_proj = ReplicatedLinear(2 * h, h, bias=False, ops=ops, plan=plan)
         rotary = family.model.layers[0].self_attn.rotary_emb  # one cos/sin cache for every layer
         self.block = DecoderLayer(family.make_attention(config, layer_idx, ops, rotary, plan),
-                                  family.make_mlp(config, layer_idx, ops, plan), config, ops, NO_FUSIONS,
+                                  family.make_mlp(config, layer_idx, ops, plan), config, ops, plan,
                                   norm=family.make_norm)
         self.shared_head = nn.Module()
         self.shared_head.norm = family.make_norm()
