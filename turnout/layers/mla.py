@@ -31,7 +31,7 @@ from torch import nn
 from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.attention import AttentionMetadata, _kv_scale
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
-from turnout.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from turnout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from turnout.layers.norm import RMSNorm
 from turnout.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -41,9 +41,42 @@ LATENT_NORM_EPS = 1e-6
 
 class LatentUpProjection(ColumnParallelLinear):
     """``kv_b_proj``: [H (Dn + Dv), L], split by heads. Kept in the compute dtype (the absorbed attention reads it
-    as per-head matrices, never through a linear kernel), so a quantisation plan leaves it alone."""
+    as per-head matrices, never through a linear kernel), so a quantisation plan leaves it alone; an fp8 block
+    checkpoint's is dequantised as it loads (``dequantize_latent_up``)."""
 
     quantizable = False
+
+
+BLOCK = 128  # the fp8 checkpoints' weight block
+
+
+def dequantize_latent_up(weights):
+    """The checkpoint stream with each fp8 ``kv_b_proj.weight`` and its 128 x 128 ``weight_scale_inv`` replaced by
+    the float weight (float32; the loader casts), once both have arrived; every other tensor passes through."""
+    held: dict[str, dict] = {}
+    for name, tensor in weights:
+        for suffix in (".kv_b_proj.weight", ".kv_b_proj.weight_scale_inv"):
+            if name.endswith(suffix) and (suffix.endswith("_inv") or tensor.dtype == torch.float8_e4m3fn):
+                base = name[: -len(suffix)]
+                got = held.setdefault(base, {})
+                got[suffix] = tensor
+                if len(got) == 2:
+                    del held[base]
+                    w, s = got[".kv_b_proj.weight"], got[".kv_b_proj.weight_scale_inv"].float()
+                    n, k = w.shape
+                    if s.shape != (-(-n // BLOCK), -(-k // BLOCK)):
+                        raise ValueError(f"checkpoint tensor {base}.kv_b_proj.weight_scale_inv {tuple(s.shape)}: "
+                                         f"expected ({-(-n // BLOCK)}, {-(-k // BLOCK)}) block scales of its weight "
+                                         f"{tuple(w.shape)}")
+                    s = s.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+                    yield base + ".kv_b_proj.weight", w.float() * s
+                break
+        else:
+            yield name, tensor
+    for base, got in held.items():
+        missing = ".kv_b_proj.weight_scale_inv" if ".kv_b_proj.weight" in got else ".kv_b_proj.weight"
+        raise ValueError(f"checkpoint is missing {base}{missing} (an fp8 kv_b_proj needs its weight and its "
+                         f"block scales)")
 
 
 def mla_softmax_scale(config) -> float:
@@ -80,13 +113,16 @@ class MLAAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         lin = dict(ops=ops, plan=plan)
+        # The latent projections are whole on every rank: column-parallel over a group of one, so that a
+        # quantisation plan reaches them (DeepSeek-V3's fp8 checkpoints quantise them) as it does any projection.
         if self.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias, **lin)
+            self.q_a_proj = ColumnParallelLinear(hidden, self.q_lora_rank, bias=bias, tp=SINGLE, **lin)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, ops)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * q_dim, bias=False, tp=tp, **lin)
         else:  # DeepSeek-V2-Lite: no query compression
             self.q_proj = ColumnParallelLinear(hidden, total_heads * q_dim, bias=False, tp=tp, **lin)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias, **lin)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias,
+                                                       tp=SINGLE, **lin)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, ops)
         self.kv_b_proj = LatentUpProjection(self.kv_lora_rank, total_heads * (self.nope_dim + self.v_dim),
                                             bias=False, tp=tp, **lin)

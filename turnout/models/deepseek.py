@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
-from turnout.layers.mla import MLAAttention
+from turnout.layers.mla import MLAAttention, dequantize_latent_up
 from turnout.layers.moe.experts import expert_weight_rules
 from turnout.layers.moe.layer import is_moe_layer
 from turnout.models.moe_decoder import MoeDecoderForCausalLM
@@ -84,7 +84,8 @@ class DeepseekV2ForCausalLM(MoeDecoderForCausalLM):
         n = self.config.num_hidden_layers
         count = self.mtp.num_layers if self.mtp is not None else 0
         try:
-            return load_weights(self, ((mtp_layer_name(name, n, count), t) for name, t in weights))
+            renamed = ((mtp_layer_name(name, n, count), t) for name, t in weights)
+            return load_weights(self, dequantize_latent_up(renamed))
         except ValueError as e:  # name an MTP tensor as the checkpoint does (model.layers.{n + i}.)
             raise ValueError(checkpoint_names(str(e), n)) from None
 
