@@ -319,3 +319,36 @@ def build_hf_layers(kind: str, layers: int):
     cfg.num_hidden_layers = layers
     torch.manual_seed(3)
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_bf16_triton_and_cuda_graphs(kind, checkpoints):
+    """On the GPU's own op table (Triton MLA kernels) in bfloat16: last-position logits near transformers' bf16,
+    and greedy tokens with CUDA graphs equal to eager ones (the same kernels, replayed)."""
+    path, hf = checkpoints[kind]
+    ids = prompts()[0]
+    model = load_model(path, dtype=torch.bfloat16, device="cuda", ops=resolve(detect_platform("cuda"))).model
+    assert model.ops.chosen("mla_paged_attention") == "triton.default"
+    n = len(ids)
+    nb = -(-n // BLOCK)
+    caches = allocate_caches(CacheLayout(tuple(model.kv_specs("bfloat16"))), nb, BLOCK, 1, "cuda")
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device="cuda"),
+                             block_tables=torch.arange(nb, dtype=torch.int32, device="cuda")[None],
+                             seq_lens=torch.tensor([n], dtype=torch.int32, device="cuda"),
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device="cuda"),
+                             max_query_len=n, max_seq_len=n)
+    with torch.inference_mode():
+        ours = model.compute_logits(model(torch.tensor(ids, device="cuda"), torch.arange(n, device="cuda"), caches,
+                                          meta))[-1].float().cpu()
+        theirs = hf.to("cuda", torch.bfloat16)(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu()
+    hf.to("cpu", torch.float32)
+    assert (ours - theirs).abs().max() <= 3e-2 * theirs.abs().max()
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    eager = LLM(path, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.3)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts(), params, use_tqdm=False)]
+    del eager
+    graphs = LLM(path, dtype="bfloat16", gpu_memory_utilization=0.3)
+    assert graphs.engine.runner.graphs is not None
+    assert [o.outputs[0].token_ids for o in graphs.generate(prompts(), params, use_tqdm=False)] == want
