@@ -352,3 +352,33 @@ def test_gpu_bf16_triton_and_cuda_graphs(kind, checkpoints):
     graphs = LLM(path, dtype="bfloat16", gpu_memory_utilization=0.3)
     assert graphs.engine.runner.graphs is not None
     assert [o.outputs[0].token_ids for o in graphs.generate(prompts(), params, use_tqdm=False)] == want
+
+
+def test_a_gpu_fusion_plan_changes_nothing(checkpoints):
+    """Built with every decode fusion a GPU's plan holds (one-row projections, pre-norms inside projections; served
+    here by the reference ops), batch-1 decode gives the plain model's logits: the latent block takes the normed
+    tensor, the MoE and dense blocks the pending norm."""
+    from turnout.layers.fusion import FusionPlan
+
+    path, _ = checkpoints["v3"]
+    ops = resolve(detect_platform("cpu"))
+    plan = FusionPlan(one_row_linear=True, prenorm_linear=True, prenorm_pays=lambda n, k: True, rope_attention=True)
+    plain = load_model(path, dtype=torch.float32, device="cpu", ops=ops).model
+    fused = load_model(path, dtype=torch.float32, device="cpu", ops=ops, plan=plan).model
+    assert fused.model.layers[1].fuse_prenorms
+    ids = prompts(1, seed=4)[0]
+    logits = []
+    for model in (plain, fused):
+        layout = CacheLayout(tuple(model.kv_specs("float32")))
+        caches = allocate_caches(layout, 4, BLOCK, 1, "cpu")
+        table = torch.arange(4, dtype=torch.int32)[None]
+        out = []
+        with torch.inference_mode():
+            for pos, tok in enumerate(ids):  # one token a step: every step is a one-row decode
+                meta = AttentionMetadata(slot_mapping=torch.tensor([pos]), block_tables=table,
+                                         seq_lens=torch.tensor([pos + 1], dtype=torch.int32),
+                                         query_start_loc=torch.tensor([0, 1], dtype=torch.int32), max_query_len=1,
+                                         max_seq_len=pos + 1)
+                out.append(model.compute_logits(model(torch.tensor([tok]), torch.tensor([pos]), caches, meta))[0])
+        logits.append(torch.stack(out))
+    assert (logits[0] - logits[1]).abs().max() <= 1e-5 * logits[0].abs().max()
