@@ -19,10 +19,13 @@ def _cases():
     for fp8 in (False, True):
         for splits in (1, 4):
             types = {"Q_LAT": B, "Q_PE": B, "CACHE": FP8 if fp8 else B, "TABLES": I32, "SEQ_LENS": I32, "QSL": I32,
-                     "TOKEN_SEQ": I64, "S": F32, "OUT": F32 if splits > 1 else B, "LSE": F32, "sm_scale": "fp32"}
+                     "TOKEN_SEQ": I64, "PROG_SEQ": I32, "PROG_TOK": I32, "S": F32, "OUT": F32 if splits > 1 else B, "LSE": F32, "sm_scale": "fp32"}
             yield (f"mla decode fp8={fp8} splits={splits}", mla._mla_decode_kernel, types,
                    dict(L=512, R=64, BS=16, BLOCK_H=16, BLOCK_L=512, BLOCK_R=64, BLOCK_N=32 if fp8 else 16,
                         NUM_SPLITS=splits, PRECISION=None, FP8_KV=fp8, PDL=True), {"num_warps": 8, "num_stages": 2})
+        yield (f"mla prefill fp8={fp8} qb=2", mla._mla_decode_kernel, {**types, "OUT": B},
+               dict(L=512, R=64, BS=16, BLOCK_H=16, BLOCK_L=512, BLOCK_R=64, BLOCK_N=32 if fp8 else 16, NUM_SPLITS=1,
+                    PRECISION=None, QB=2, FP8_KV=fp8, PDL=True), {"num_warps": 8, "num_stages": 2})
     for fp8 in (False, True):
         yield (f"mla cache write fp8={fp8}", mla._mla_cache_kernel,
                {"KV_C": B, "K_PE": B, "CACHE": FP8 if fp8 else B, "SLOTS": I64, "S": F32},

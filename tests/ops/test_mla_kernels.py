@@ -34,6 +34,16 @@ def test_decode_every_split_count_matches_the_reference(dtype, splits):
     _close(mla.mla_paged_attention(*args, num_splits=splits), want, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("qb", [1, 2, 4, 8])
+def test_prefill_programs_of_several_tokens_match_the_reference(dtype, qb):
+    """Prefill chunks (over cached prefixes, of lengths that do not divide by qb, a decode among them): each program
+    takes qb tokens of one sequence, each row its own causal limit; programs past the last sequence do nothing."""
+    args = _batch([7, 1, 13, 2], [20, 9, 13, 40], dtype=dtype)
+    want = ref.mla_paged_attention(*args)
+    _close(mla.mla_paged_attention(*args, tiles={"qb": qb}), want, TOL[dtype])
+
+
 def test_positions_past_the_context_are_never_read():
     args = list(_batch([1, 5], [13, 21]))
     cache, tables, seq_lens = args[2], args[3], args[4]
@@ -96,3 +106,15 @@ def test_fp8_latent_cache_write_and_read():
 def test_deepseek_v3_shape_bf16_on_gpu(batch, ctx):
     args = _batch([1] * batch, [ctx] * batch, heads=128, lat=512, rope=64, bs=16, dtype=torch.bfloat16)
     _close(mla.mla_paged_attention(*args), ref.mla_paged_attention(*args), 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_deepseek_v3_shape_prefill_bf16_on_gpu(fp8):
+    args = list(_batch([300, 1, 77], [300, 900, 1077], heads=128, lat=512, rope=64, bs=16, dtype=torch.bfloat16))
+    kw = {}
+    if fp8:
+        args[2] = (args[2].float() / 0.02).clamp(-448, 448).to(FP8_KV)
+        kw = {"kv_scale": torch.tensor([0.02], device=DEV)}
+    _close(mla.mla_paged_attention(*args, **kw), ref.mla_paged_attention(*args, **kw), 3e-2)
