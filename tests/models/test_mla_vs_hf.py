@@ -139,12 +139,13 @@ def v3_reference(checkpoints):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outs = llm.generate(ps, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2),
                         use_tqdm=False)
-    return ps, params, [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+    block_bytes = llm.engine.runner.block_bytes
+    return ps, params, [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], block_bytes
 
 
 def test_prefix_hits_and_chunked_prefill_give_the_same_tokens(checkpoints, v3_reference):
     path, _ = checkpoints["v3"]
-    ps, params, want, _ = v3_reference
+    ps, params, want, _, block_bytes = v3_reference
     llm = LLM(path, max_num_batched_tokens=16, **KW)  # prompts up to 40 tokens: prefilled in chunks of 16
     shared = ps[0][:5] * 7  # 35 tokens: two full blocks to hit
     first = llm.generate([shared], params, use_tqdm=False)[0]
@@ -156,10 +157,9 @@ def test_prefix_hits_and_chunked_prefill_give_the_same_tokens(checkpoints, v3_re
 
 def test_swap_preemption_gives_the_same_tokens(checkpoints, v3_reference):
     path, _ = checkpoints["v3"]
-    ps, params, want, _ = v3_reference
-    probe = LLM(path, **KW)
+    ps, params, want, _, block_bytes = v3_reference
     small = LLM(path, preemption_mode="swap", swap_space=0.05, max_num_seqs=8,
-                **{**KW, "kv_cache_memory": 12 * probe.engine.runner.block_bytes})
+                **{**KW, "kv_cache_memory": 12 * block_bytes})  # 6 sequences growing to ~56 tokens: not all fit
     got = [o.outputs[0].token_ids for o in small.generate(ps, params, use_tqdm=False)]
     assert small.get_stats().swap_preemptions_total > 0
     assert got == want
@@ -167,7 +167,7 @@ def test_swap_preemption_gives_the_same_tokens(checkpoints, v3_reference):
 
 def test_fp8_latent_cache(checkpoints, v3_reference):
     path, _ = checkpoints["v3"]
-    ps, params, want, logprobs = v3_reference
+    ps, params, want, logprobs, _ = v3_reference
     llm = LLM(path, kv_cache_dtype="fp8", **KW)
     runner = llm.engine.runner
     assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn and len(runner.kv_caches[0]) == 1
