@@ -382,3 +382,9 @@ def test_a_gpu_fusion_plan_changes_nothing(checkpoints):
                 out.append(model.compute_logits(model(torch.tensor([tok]), torch.tensor([pos]), caches, meta))[0])
         logits.append(torch.stack(out))
     assert (logits[0] - logits[1]).abs().max() <= 1e-5 * logits[0].abs().max()
+
+
+def test_batch_invariant_mode_is_refused_by_name(checkpoints):
+    path, _ = checkpoints["v2_lite"]
+    with pytest.raises(ValueError, match="batch_invariant"):
+        LLM(path, batch_invariant=True, **KW)

@@ -12,7 +12,8 @@ The checkpoint's multi-token-prediction layers (``num_nextn_predict_layers`` lay
 are loaded into ``self.mtp`` (turnout/models/mtp.py), for a speculative decoder to use; they are not part of the
 causal LM's forward, and the KV cache is the main layers' (``kv_specs``).
 
-Refused by name: a sparse-attention indexer (DeepSeek-V3.2's ``index_topk`` ...), a scoring function the family
+Refused by name: batch-invariant mode (no MLA implementation is declared invariant: the Triton kernel's split
+count follows the batch), a sparse-attention indexer (DeepSeek-V3.2's ``index_topk`` ...), a scoring function the family
 does not use, an unknown ``mlp_layer_types`` entry.
 """
 
@@ -54,6 +55,10 @@ class DeepseekV2ForCausalLM(MoeDecoderForCausalLM):
     def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE,
                  expert_parallel: bool = False):
         _check_variant(config, self.scoring)
+        policy = getattr(ops, "policy", None)
+        if policy is not None and policy.batch_invariant:  # no MLA implementation is declared invariant yet
+            raise ValueError(f"batch_invariant: {type(self).__name__}'s latent attention has no batch-invariant "
+                             "implementation yet; use batch_invariant=False")
         super().__init__(config, ops, plan, tp, expert_parallel)
         n_mtp = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
         self.mtp = MultiTokenPredictor(config, ops, self, plan, n_mtp) if n_mtp else None
