@@ -12,9 +12,9 @@ import torch.multiprocessing as mp
 
 import moe_ranks  # noqa: E402  (tests/distributed is on sys.path, as pytest puts a test file's directory)
 from test_tensor_parallel import _assert_matches  # noqa: E402
+from turnout.distributed import free_port
 from turnout.ops import resolve
 from turnout.platforms.detect import detect_platform
-from turnout.distributed import free_port
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,10 +18,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fp8_checkpoints import fake_quant_activations  # noqa: E402
-from fp8_moe_checkpoints import _quantised_experts_forward  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from fp8_checkpoints import fake_quant_activations  # noqa: E402
+from fp8_moe_checkpoints import _quantised_experts_forward  # noqa: E402
 from turnout.kv.spec import CacheLayout  # noqa: E402
 from turnout.layers.attention import AttentionMetadata  # noqa: E402
 from turnout.loader import load_model  # noqa: E402
