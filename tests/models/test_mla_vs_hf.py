@@ -388,3 +388,25 @@ def test_batch_invariant_mode_is_refused_by_name(checkpoints):
     path, _ = checkpoints["v2_lite"]
     with pytest.raises(ValueError, match="batch_invariant"):
         LLM(path, batch_invariant=True, **KW)
+
+
+def test_weight_updates_reach_the_absorbed_projections(checkpoints, tmp_path):
+    """An RL weight update (``update_weights``, in place) of every tensor of another checkpoint gives that
+    checkpoint's logits: W_UK / W_UV are views of kv_b_proj, so the absorbed attention sees the new weights."""
+    from safetensors.torch import load_file
+
+    from turnout.models.weight_map import update_weights
+
+    path, _ = checkpoints["v3"]
+    other = build_hf("v3", seed=7)
+    other.save_pretrained(tmp_path)
+    ops = resolve(detect_platform("cpu"))
+    model = load_model(path, dtype=torch.float32, device="cpu", ops=ops).model
+    ids = prompts(1)[0]
+    before = _prefill(model, ids)[-1]
+    update_weights(model, load_file(tmp_path / "model.safetensors").items())
+    after = _prefill(model, ids)[-1]
+    with torch.no_grad():
+        want = other(torch.tensor([ids])).logits[0, -1]
+    assert (before - want).abs().max() > 1e-2  # the two checkpoints differ
+    assert (after - want).abs().max() <= 1e-4 * want.abs().max()
