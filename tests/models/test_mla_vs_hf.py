@@ -13,6 +13,7 @@ projection names the tensor, DeepSeek-V3.2's indexer names the field).
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -342,8 +343,9 @@ def test_gpu_bf16_triton_and_cuda_graphs(kind, checkpoints):
     with torch.inference_mode():
         ours = model.compute_logits(model(torch.tensor(ids, device="cuda"), torch.arange(n, device="cuda"), caches,
                                           meta))[-1].float().cpu()
-        theirs = hf.to("cuda", torch.bfloat16)(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu()
-    hf.to("cpu", torch.float32)
+        peer = copy.deepcopy(hf).to("cuda", torch.bfloat16)  # a copy: the fixture's float32 model stays as it is
+        theirs = peer(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu()
+    del peer
     assert (ours - theirs).abs().max() <= 3e-2 * theirs.abs().max()
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     eager = LLM(path, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.3)
