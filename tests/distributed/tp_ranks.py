@@ -13,7 +13,13 @@ BLOCK = 16
 
 
 def kv_caches(model, config, num_blocks: int):
-    """This rank's paged KV cache: its own kv heads (``model.kv_heads_per_rank``) of every layer."""
+    """This rank's paged KV cache: its own kv heads (``model.kv_heads_per_rank``) of every layer, or what a model
+    that lists its specs declares (``kv_specs``: the latent-attention families)."""
+    if callable(getattr(model, "kv_specs", None)):
+        from turnout.kv.spec import CacheLayout
+        from turnout.worker.kv_sizing import allocate_caches
+
+        return allocate_caches(CacheLayout(tuple(model.kv_specs("float32"))), num_blocks, BLOCK, 1, "cpu")
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     hk = model.kv_heads_per_rank
     return [(torch.zeros(num_blocks, BLOCK, hk, d), torch.zeros(num_blocks, BLOCK, hk, d))

@@ -26,6 +26,8 @@ from turnout.platforms import detect_platform
 
 FP8_POLICY = Policy.parse("kv_cache=fp8", source="test")
 SCALES = (0.02, 0.05)  # k, v: randn values use most of e4m3's range (|x| / 0.02 up to ~250 of 448)
+# each cache argument, the keyword of its scale, the scale (MLA's latent cache: one scale for the whole vector)
+CACHES = (("k_cache", "k_scale", SCALES[0]), ("v_cache", "v_scale", SCALES[1]), ("latent_cache", "kv_scale", SCALES[0]))
 
 
 def _fp8_case(spec, case, device):
@@ -33,12 +35,14 @@ def _fp8_case(spec, case, device):
     case = copy.deepcopy(case)
     names = list(inspect.signature(spec.reference).parameters)
     args = list(case.args)
-    scales = [torch.tensor([s], dtype=torch.float32, device=device) for s in SCALES]
-    for name, scale in zip(("k_cache", "v_cache"), scales):
-        i = names.index(name)
-        args[i] = to_cache(args[i], FP8_KV, scale)
+    kwargs = {}
+    for name, keyword, s in CACHES:
+        if name in names:
+            scale = torch.tensor([s], dtype=torch.float32, device=device)
+            args[names.index(name)] = to_cache(args[names.index(name)], FP8_KV, scale)
+            kwargs[keyword] = scale
     case.args = tuple(args)
-    case.kwargs = {**case.kwargs, "k_scale": scales[0], "v_scale": scales[1]}
+    case.kwargs = {**case.kwargs, **kwargs}
     return case
 
 
@@ -72,7 +76,7 @@ def test_fp8_cache_conformance(op, impl):
     registry, platform = default_registry(), detect_platform()
     spec = registry.ops[op]
     fn = resolve_op(op, registry, platform, FP8_POLICY).candidate(impl).fn
-    mutates = [n for n in ("k_cache", "v_cache") if n in spec.mutates]
+    mutates = [(n, s) for n, _, s in CACHES if n in spec.mutates]
     computed_keys = op == "rotary_paged_attention"  # keys it computes itself, then attends over
     failures, ran = [], 0
     for dtype, case in iter_cases(spec, platform.device()):
@@ -96,7 +100,7 @@ def test_fp8_cache_conformance(op, impl):
             reshape_and_cache(got_case.args[arg["key"]], got_case.args[arg["value"]], want.args[arg["k_cache"]],
                               want.args[arg["v_cache"]], want.args[arg["slot_mapping"]], *SCALE_ARGS(want))
             ref_case = want
-        for name, scale in zip(mutates, SCALES):
+        for name, scale in mutates:
             r, g = ref_case.args[arg[name]], got_case.args[arg[name]]
             assert g.dtype == FP8_KV
             exact = torch.equal(r.view(torch.uint8), g.view(torch.uint8))

@@ -11,6 +11,8 @@ MODELS: dict[str, str] = {
     "MistralForCausalLM": "mistral:MistralForCausalLM",
     "Ernie4_5ForCausalLM": "ernie4_5:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe:Ernie4_5_MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "deepseek:DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
@@ -21,6 +23,7 @@ MODELS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM": "deepseek:Glm4MoeLiteForCausalLM",
 }
 
 

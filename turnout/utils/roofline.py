@@ -157,6 +157,8 @@ def model_geometry(model, hf_config, kv_dtype: torch.dtype) -> ModelGeometry:
         if key in seen:
             continue
         seen.add(key)
+        if name.startswith("mtp."):  # multi-token-prediction layers: kept for drafting, not read by a step
+            continue
         if "lm_head" in name:
             g = "lm_head"
         elif "embed_tokens" in name or name.endswith("wte.weight") or "embeddings" in name:
@@ -179,7 +181,17 @@ def model_geometry(model, hf_config, kv_dtype: torch.dtype) -> ModelGeometry:
         embed_bytes=groups["embed"][0], body_params=groups["body"][1], expert_params=groups["experts"][1],
         lm_head_params=groups["lm_head"][1], embed_params=groups["embed"][1], num_experts=num_experts,
         experts_per_token=topk, num_layers=layers, num_heads=hf_config.num_attention_heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, kv_bytes_per_token=2 * layers * kv_heads * head_dim * kv_elem)
+        num_kv_heads=kv_heads, head_dim=head_dim, kv_bytes_per_token=_kv_bytes_per_token(model, kv_dtype) or
+        2 * layers * kv_heads * head_dim * kv_elem)
+
+
+def _kv_bytes_per_token(model, kv_dtype: torch.dtype) -> int | None:
+    """Bytes a token keeps in every layer's cache where the model lists its cache specs (latent attention: one
+    vector per token, not k and v per head); None otherwise."""
+    if not callable(getattr(model, "kv_specs", None)):
+        return None
+    specs = model.kv_specs(str(kv_dtype).replace("torch.", ""))
+    return sum(s.bytes_per_token for s in specs if s.per_token)
 
 
 def prefill_attn_pairs(prompt_len: int, cached: int = 0) -> int:

@@ -135,6 +135,7 @@ _FAMILIES = {
     "qwen3_moe": _qwen_moe,
     "mixtral": _mixtral,
     "glm4_moe": _noaux_tc,
+    "glm4_moe_lite": _noaux_tc,
     "deepseek_v3": _noaux_tc,
     "deepseek_v2": _deepseek_v2,
     "ernie4_5_moe": _ernie4_5_moe,

@@ -36,6 +36,8 @@ KERNELS: dict[str, str] = {
     "block_scaled_mm": "fp8:block_scaled_mm",
     "fp8_linear": "fp8:fp8_linear",
     "moe_experts_fp8": "moe_fp8:moe_experts_fp8",
+    "mla_reshape_and_cache": "mla:mla_reshape_and_cache",
+    "mla_paged_attention": "mla:mla_paged_attention",
 }
 
 
@@ -107,6 +109,10 @@ CHOICES: dict[str, tuple[Choice, ...]] = {
     "moe_experts_fp8": (Choice("kernel", values=("grouped", "decode"), doc=_MOE_DOC),),
     "paged_attention": (_NUM_SPLITS,),
     "rotary_paged_attention": (_NUM_SPLITS,),
+    "mla_paged_attention": (Choice(
+        "num_splits", integer=True, maximum=64,
+        doc="auto: at decode, split each context over several programs while token x head-tile programs are "
+            "fewer than twice the SMs, at most one split per 4 KV tiles; prefill never splits. n: n splits"),),
 }
 
 
