@@ -17,10 +17,10 @@ from turnout.ops import (
     Registry,
     SampleCase,
     build_registry,
+    dispatch,
     log_table,
     resolve,
 )
-from turnout.ops import dispatch
 from turnout.ops.spec import TRITON_PLATFORMS
 from turnout.platforms import Platform
 

@@ -14,7 +14,6 @@ first for every op it serves.
 """
 
 from turnout.ops import Impl
-
 from turnout_flaggems import platforms
 
 # op -> (the wrapper's module, the FlagGems functions it calls, whether some call shapes go to the next
