@@ -45,8 +45,11 @@ def register(registry) -> None:
                                    delegates=delegates))
 
 
-def prefer_policy() -> str:
+def prefer_policy(exclusive: bool = False) -> str:
     """The TURNOUT_OPS / ops_policy text that tries FlagGems first for every op it serves, then the platform's
     usual order (``prefer`` takes families, and ``below`` keeps this one after triton within any family order,
-    so each op is ordered by name)."""
-    return ";".join(f"{op}=vendor.flaggems|vendor|triton|reference" for op in OPS)
+    so each op is ordered by name). ``exclusive``: also keep turnout's fused decode kernels (pre-norms inside
+    the projections, RoPE + cache write inside attention) from taking the decode path past those ops, by
+    giving the fused ops to the reference, which makes no claim (turnout/layers/fusion.py)."""
+    text = ";".join(f"{op}=vendor.flaggems|vendor|triton|reference" for op in OPS)
+    return text + (";add_rms_norm_linear=reference;rotary_paged_attention=reference" if exclusive else "")

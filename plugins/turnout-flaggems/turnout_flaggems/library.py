@@ -56,12 +56,15 @@ def loader(module: str, wrapper: str, needs: tuple[str, ...]):
 
 
 _declined: set[tuple[str, str]] = set()
+# op -> the reason of its last declined call (benchmarks/flaggems_ops.py reports it per case)
+last_declined: dict[str, str] = {}
 
 
 def decline(op: str, why: str) -> None:
     """Say once per op and reason that a call shape goes to the next implementation (the call itself goes
     on through the ``fallback`` the resolution bound)."""
     key = (op, why)
+    last_declined[op] = why
     if key not in _declined:
         _declined.add(key)
         logger.info("vendor.flaggems %s: %s; those calls go to the next implementation", op, why)
