@@ -41,8 +41,10 @@ DECLINED = {
     "scaled_mm": lambda dtype, label: bool(_size(label, "N") % 16 or _size(label, "K") % 16),
 }
 
-# the fp8 MoE reference is slow on the CPU (both sides of each case run it): one dtype covers the mapping
-ONE_DTYPE = {"moe_experts_fp8": ("bfloat16",)}
+# the references of these are slow on the CPU (both sides of each case run one): fewer dtypes cover the mapping
+# (float32 attention is a declined case, bfloat16 a served one)
+ONE_DTYPE = {"moe_experts_fp8": ("bfloat16",), "moe_experts": ("float32",), "block_scaled_mm": ("float32",),
+             "paged_attention": ("float32", "bfloat16")}
 
 
 def _wrapper(op, gems, declined):
