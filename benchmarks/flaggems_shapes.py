@@ -31,7 +31,7 @@ def _paged(phase, device):
     tables = torch.randperm(b * blocks, device=device).view(b, blocks).to(torch.int32)
     seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
     qsl = torch.arange(0, t + 1, q_len, dtype=torch.int32, device=device)
-    slots = (tables[:, -1:].long() * BS + torch.arange(BS, device=device)).flatten()[:t]  # somewhere in the cache
+    slots = torch.randperm(b * blocks * BS, device=device)[:t]  # distinct slots anywhere in the cache
     return k_cache, v_cache, tables, seq_lens, qsl, q_len, ctx, slots
 
 
