@@ -155,9 +155,9 @@ class _FirstCallGuard:
 # An op that writes into its arguments is retried with the next candidate after a failed first call only from a
 # copy of what it writes, taken before that call (on the host, so a GPU memory profile taken during the first
 # step does not count it). On a GPU the first call of the cache ops runs in the memory profile's scratch cache
-# (tens of MiB); a larger argument (a whole KV cache on a CPU engine) is not copied, and the failure is an
-# OpFailedError as before.
-SNAPSHOT_LIMIT_BYTES = 1 << 30
+# (tens of MiB); a larger argument (a whole KV cache: copy_blocks' first call comes mid-serving) is not copied,
+# which bounds the one-time copy to a few tens of milliseconds, and the failure is an OpFailedError as before.
+SNAPSHOT_LIMIT_BYTES = 256 << 20
 
 
 def _written(spec, args, kwargs) -> list[torch.Tensor] | None:
