@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 wheels=${1:?usage: benchmarks/flaggems_ops.sh WHEELS_DIR}
 out=${OUT:-/tmp}/flaggems
-site=$out/site
+site=${TMPDIR:-/tmp}/flaggems-site  # not under $OUT: only the results come back
 mkdir -p "$out"
 python -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" "$wheels"/*.whl \
   ./plugins/turnout-flaggems || exit 1
