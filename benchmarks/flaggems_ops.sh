@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # turnout's FlagGems plugin on one GPU, in one call (at most 10 minutes: each step has its own timeout, so a slow
-# one costs only itself): the carried wheels and the plugin installed with --no-deps into $OUT/flaggems/site,
+# one costs only itself): the carried wheels and the plugin installed with --no-deps into /tmp/flaggems-site,
 # then `turnout ops` and `turnout ops --check` for every op the plugin serves, then benchmarks/flaggems_ops.py
 # (sample cases served / sent on, per-op timings, greedy tokens and the decode step with FlagGems preferred).
 #
