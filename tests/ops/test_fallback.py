@@ -17,6 +17,7 @@ from turnout.ops import (
     Registry,
     SampleCase,
     build_registry,
+    dispatch,
     log_table,
     resolve,
 )
@@ -91,7 +92,27 @@ def test_fallback_chain_skips_unavailable_and_failing():
     assert table.chosen("scale") == "reference.torch" and table.scale is scale_ref
 
 
-def test_inplace_op_is_not_silently_retried():
+def test_inplace_op_falls_back_from_a_copy_of_what_it_writes(caplog):
+    """A kernel that wrote part of its output and then raised: the arguments are put back as they were before
+    the call, the next candidate runs on them, the op switches for good, and the log names the failed one."""
+    bad, good = Counting(fail=True, partial=True), Counting()
+    reg = registry(Impl("add_", "vendor.cuda", bad), Impl("add_", "triton.default", good))
+    table = resolve(FAKE_CUDA, NONE, reg)
+    x = torch.zeros(3)
+    with caplog.at_level(logging.WARNING, logger="turnout.ops"), \
+            pytest.warns(RuntimeWarning, match="vendor.cuda.*falling back to triton.default"):
+        table.add_(x, torch.ones(3))
+    assert torch.equal(x, torch.ones(3))  # not -1 + 1 in the element the failed kernel wrote
+    assert bad.calls == 1 and good.calls == 1 and table.chosen("add_") == "triton.default"
+    assert table.add_ is good
+    assert sum("vendor.cuda" in r.getMessage() and "sm_90" in r.getMessage() for r in caplog.records) == 1
+    y = torch.zeros(3)
+    table.add_(y, torch.ones(3))
+    assert torch.equal(y, torch.ones(3)) and bad.calls == 1
+
+
+def test_inplace_op_too_large_to_copy_is_not_retried(monkeypatch):
+    monkeypatch.setattr(dispatch, "SNAPSHOT_LIMIT_BYTES", 8)  # the 12 bytes of x are past it
     bad, good = Counting(fail=True, partial=True), Counting()
     reg = registry(Impl("add_", "vendor.cuda", bad), Impl("add_", "triton.default", good))
     table = resolve(FAKE_CUDA, NONE, reg)
@@ -100,7 +121,7 @@ def test_inplace_op_is_not_silently_retried():
         table.add_(x, torch.ones(3))
     msg = str(e.value)
     for n in ("'add_'", "vendor.cuda", "platform cuda", "Not retried", "writes into x", "partly written",
-              "deny=vendor.cuda", "sm_90"):
+              "too large", "deny=vendor.cuda", "sm_90"):
         assert n in msg, n
     assert good.calls == 0  # nobody ran on the half-written tensor
     assert x[0] == -1
@@ -113,6 +134,51 @@ def test_inplace_op_is_not_silently_retried():
     y = torch.zeros(3)
     table.add_(y, torch.ones(3))
     assert torch.equal(y, torch.ones(3)) and table.chosen("add_") == "triton.default"
+
+
+def test_inplace_op_under_strict_policy_is_not_retried():
+    bad, good = Counting(fail=True, partial=True), Counting()
+    reg = registry(Impl("add_", "vendor.cuda", bad), Impl("add_", "triton.default", good))
+    table = resolve(FAKE_CUDA, Policy.parse("strict=1"), reg)
+    with pytest.raises(OpFailedError, match="strict"):
+        table.add_(torch.zeros(3), torch.ones(3))
+    assert good.calls == 0
+
+
+class Delegating:
+    """Serves only float32 calls; hands the others to the ``fallback`` the resolution bound."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x, factor, *, fallback):
+        if x.dtype != torch.float32:
+            return fallback(x, factor)
+        self.calls += 1
+        return x * factor
+
+
+def test_delegating_implementation_gets_the_next_candidate_in_policy_order():
+    mine, triton_impl = Delegating(), Counting()
+    reg = registry(Impl("scale", "vendor.lib", mine, delegates=True),
+                   Impl("scale", "vendor.cuda", Counting(), check=lambda p: (False, "no library")),
+                   Impl("scale", "triton.default", triton_impl))
+    table = resolve(FAKE_CUDA, NONE, reg)
+    assert table.chosen("scale") == "vendor.lib"
+    assert torch.equal(table.scale(torch.ones(2), 3.0), torch.full((2,), 3.0)) and mine.calls == 1
+    half = table.scale(torch.ones(2, dtype=torch.float16), 3.0)  # not its shape: the next available candidate
+    assert half.dtype == torch.float16 and torch.equal(half.float(), torch.full((2,), 3.0))
+    assert mine.calls == 1 and triton_impl.calls == 1
+    # Under a policy that orders the op, the fallback is what that order puts next: here the reference.
+    table = resolve(FAKE_CUDA, Policy.parse("scale=vendor.lib|reference"), reg)
+    table.scale(torch.ones(2), 1.0)
+    table.scale(torch.ones(2, dtype=torch.float16), 3.0)
+    assert triton_impl.calls == 1
+    # Nothing after it: the call it cannot serve raises, naming it.
+    table = resolve(FAKE_CUDA, Policy.parse("scale=vendor.lib;strict=1"), reg)
+    table.scale(torch.ones(2), 1.0)
+    with pytest.raises(NotImplementedError, match="vendor.lib cannot serve this call of scale"):
+        table.scale(torch.ones(2, dtype=torch.float16), 3.0)
 
 
 def test_strict_mode_raises_on_first_call_failure():

@@ -2,8 +2,9 @@
 
 After resolution, ``table.rms_norm(...)`` is a plain attribute lookup. Only the first call of each op
 goes through a guard that implements fallback: an implementation that raises on its first call is
-marked failed and the next available candidate is used, with a warning. Never for an op that writes
-into its arguments (they may be partly written: the error says so), never in strict mode. Once a call
+marked failed and the next available candidate is used, with a warning. An op that writes into its
+arguments is retried only from a copy of them taken before the call (they may be partly written); past
+SNAPSHOT_LIMIT_BYTES no copy is taken and the failure is an error saying so. Never in strict mode. Once a call
 succeeds the table attribute is replaced by the implementation's own function: nothing runs per call.
 Take the first call of every op (a warm-up step) before CUDA-graph capture or ``torch.compile``.
 
@@ -13,10 +14,13 @@ from those resolutions, runs the first-call fallback, and reports the table at s
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import warnings
 from typing import Callable
+
+import torch
 
 from turnout.ops.policy import Policy
 from turnout.ops.registry import Registry, default_registry
@@ -115,6 +119,7 @@ class _FirstCallGuard:
         spec = table._registry.ops[op]
         while True:
             cand = res.candidate(res.chosen)
+            saved = _snapshot(spec, args, kwargs) if spec.inplace and not table.policy.strict else None
             try:
                 out = cand.fn(*args, **kwargs)
             except Exception as e:
@@ -125,10 +130,13 @@ class _FirstCallGuard:
                     self.error = OpFailedError(f"{where} failed on first use and the policy is strict "
                                                f"({table.policy.source}), so there is no fallback: {err}")
                     raise self.error from e
-                if spec.inplace:
+                if spec.inplace and saved is not None:
+                    _restore(saved)  # as before the call: the next candidate runs on the caller's values
+                elif spec.inplace:
                     self.error = OpFailedError(
                         f"{where} failed on first use: {err}. Not retried with another implementation: the "
-                        f"op writes into {', '.join(spec.mutates)}, which may be partly written. Deny it "
+                        f"op writes into {', '.join(spec.mutates)}, which may be partly written and are too "
+                        f"large to keep a copy of ({SNAPSHOT_LIMIT_BYTES >> 20} MiB). Deny it "
                         f"(TURNOUT_OPS='deny={cand.impl}') to use the next candidate")
                     raise self.error from e
                 nxt = next((c for c in res.candidates if c.available), None)
@@ -142,6 +150,41 @@ class _FirstCallGuard:
                 continue
             table._settle(op, cand.fn)
             return out
+
+
+# An op that writes into its arguments is retried with the next candidate after a failed first call only from a
+# copy of what it writes, taken before that call (on the host, so a GPU memory profile taken during the first
+# step does not count it). On a GPU the first call of the cache ops runs in the memory profile's scratch cache
+# (tens of MiB); a larger argument (a whole KV cache: copy_blocks' first call comes mid-serving) is not copied,
+# which bounds the one-time copy to a few tens of milliseconds, and the failure is an OpFailedError as before.
+SNAPSHOT_LIMIT_BYTES = 256 << 20
+
+
+def _written(spec, args, kwargs) -> list[torch.Tensor] | None:
+    """The tensors ``spec`` writes into in this call (a list argument counts its tensors), or None when the
+    arguments do not bind to the reference's signature."""
+    try:
+        bound = inspect.signature(spec.reference).bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    out = []
+    for name in spec.mutates:
+        value = bound.get(name)
+        out += [t for t in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _snapshot(spec, args, kwargs) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Host copies of what the first call may write, or None when they would exceed SNAPSHOT_LIMIT_BYTES."""
+    written = _written(spec, args, kwargs)
+    if written is None or sum(t.numel() * t.element_size() for t in written) > SNAPSHOT_LIMIT_BYTES:
+        return None
+    return [(t, t.detach().to("cpu", copy=True)) for t in written]
+
+
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for t, copy in saved:
+        t.copy_(copy)
 
 
 def resolve(platform, policy: Policy | None = None, registry: Registry | None = None,

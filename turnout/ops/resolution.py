@@ -144,6 +144,27 @@ def _tuned(impl: Impl, tuning) -> dict:
     return dict(tunes(tuning))
 
 
+def _bind_fallbacks(kept: list[Impl], cands: list[Candidate]) -> None:
+    """Bind, into each available implementation that ``delegates``, the next available candidate after it
+    (already bound itself, so a chain of delegating implementations ends at one that serves every call).
+    From the last one back, so that each binds a finished callable. Nothing after it: the calls it cannot
+    serve raise, naming why, and the first-call guard falls back as for any failure."""
+    nxt = None
+    for impl, cand in reversed(list(zip(kept, cands))):
+        if not cand.available:
+            continue
+        if impl.delegates:
+            cand.fn = functools.partial(cand.fn, fallback=nxt or _no_fallback(impl))
+        nxt = cand.fn
+
+
+def _no_fallback(impl: Impl):
+    def fallback(*args, **kwargs):
+        raise NotImplementedError(f"{impl.id} cannot serve this call of {impl.op} and the policy leaves no "
+                                  "implementation after it")
+    return fallback
+
+
 def resolve_op(op: str, registry: Registry, platform, policy: Policy, tuning=None) -> Resolution:
     """Probe every candidate of ``op`` (so that the table can say why each was skipped) and choose the
     first available one. Never raises for an unusable op: ``Resolution.error`` says why. ``tuning``
@@ -177,6 +198,7 @@ def resolve_op(op: str, registry: Registry, platform, policy: Policy, tuning=Non
         cands.append(Candidate(impl.id, ok, reason, impl.source, fn, choices))
         if ok and chosen is None:
             chosen = impl.id
+    _bind_fallbacks(kept, cands)
     for impl, reason in excluded:
         cands.append(Candidate(impl.id, False, reason, impl.source))
     res = Resolution(op, chosen, cands)

@@ -175,6 +175,11 @@ class Impl:
     # fp8 (e4m3fn) cache with k_scale / v_scale; True, or a check(platform) -> (ok, why). Under kv_cache=fp8
     # only those serve (the reference always does).
     kv_fp8: bool | Callable[[Any], tuple[bool, str]] = False
+    # An implementation that serves only some call shapes (a library kernel without float32, without a sink
+    # logit, ...) declares ``delegates=True`` and takes a keyword ``fallback``: the resolution binds there the
+    # next available candidate in the policy's order (functools.partial, once), so a call it cannot serve
+    # goes where the policy would have sent the whole op, and every other call pays only its own shape test.
+    delegates: bool = False
 
     def __post_init__(self):
         if not isinstance(self.id, str) or not _ID_RE.match(self.id):
