@@ -13,6 +13,7 @@ def all_specs() -> list[OpSpec]:
         fp8,
         linear,
         moe,
+        moe_biased,
         moe_fp8,
         norm,
         rotary,
@@ -29,4 +30,5 @@ def all_specs() -> list[OpSpec]:
             linear.ADD_RMS_NORM_LINEAR, attention.ROTARY_PAGED_ATTENTION,
             bitmask.APPLY_TOKEN_BITMASK, swap.SWAP_LAYER, swap.SWAP_LAYER_ASYNC,
             collectives.ALL_REDUCE, collectives.ALL_GATHER, collectives.REDUCE_SCATTER, collectives.ALL_TO_ALL,
-            fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR, moe_fp8.MOE_EXPERTS_FP8]
+            fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR, moe_fp8.MOE_EXPERTS_FP8,
+            moe_biased.MOE_EXPERTS_BIASED]

@@ -36,6 +36,7 @@ KERNELS: dict[str, str] = {
     "block_scaled_mm": "fp8:block_scaled_mm",
     "fp8_linear": "fp8:fp8_linear",
     "moe_experts_fp8": "moe_fp8:moe_experts_fp8",
+    "moe_experts_biased": "moe_biased:moe_experts_biased",
 }
 
 
@@ -105,6 +106,9 @@ _MOE_DOC = ("auto: the one-token kernel at T = 1, the decode kernels (no sort) w
 CHOICES: dict[str, tuple[Choice, ...]] = {
     "moe_experts": (Choice("kernel", values=("grouped", "decode"), note=_moe_note, doc=_MOE_DOC),),
     "moe_experts_fp8": (Choice("kernel", values=("grouped", "decode"), doc=_MOE_DOC),),
+    # the biased / clamped-SwiGLU variant has the grouped path only (no sort-free decode or one-token kernel)
+    "moe_experts_biased": (Choice("kernel", values=("grouped",), doc="auto = grouped: the sorted grouped GEMM "
+                                  "at every T (no decode or one-token kernel serves biased experts)"),),
     "paged_attention": (_NUM_SPLITS,),
     "rotary_paged_attention": (_NUM_SPLITS,),
 }
