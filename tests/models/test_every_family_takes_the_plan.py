@@ -32,6 +32,8 @@ CONFIGS = {
     "Glm4MoeForCausalLM": lambda: transformers.Glm4MoeConfig(**SMALL, **MOE, n_routed_experts=8, n_group=2,
                                                              topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
                                                              head_dim=8),
+    "GptOssForCausalLM": lambda: transformers.GptOssConfig(**SMALL, head_dim=8, num_local_experts=4,
+                                                           num_experts_per_tok=2, sliding_window=8),
 }
 POST_NORM = {"Olmo2ForCausalLM"}
 PLAN = FusionPlan(one_row_linear=True, prenorm_linear=True, prenorm_pays=lambda n, k: True, rope_attention=True)

@@ -18,6 +18,7 @@ MODELS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
+    "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
 }
 
 

@@ -1,0 +1,259 @@
+"""GPT-OSS against transformers on a tiny random model: sinks, biased projections, YaRN, sliding layers of a few
+tokens alternating with full ones, the biased router and the clamped-SwiGLU experts; greedy generation far past
+the window; the experts shipped in MXFP4 (packed here by a reference packer, checked against transformers' own
+dequantisation) loaded and compared with HF holding the dequantised weights; checkpoints that disagree with their
+config refused by name.
+
+The tiny config makes each part count: expert weights and biases large enough that the clamp at ``swiglu_limit``
+bites on a good share of the gate and up values (asserted), sinks of the size of the scores, a YaRN factor whose
+original context is shorter than the generation.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from test_composed_families_vs_hf import greedy
+from test_dense_vs_hf import BLOCK, rel_err, run_prefill_and_decode
+from turnout.loader import load_model
+from turnout.ops import resolve
+from turnout.platforms.detect import detect_platform
+
+WINDOW = 6
+LIMIT = 3.0  # below the released 7.0 so that random tiny weights reach it
+
+
+def tiny_config(window: int = WINDOW, **over):
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=window,
+              max_position_embeddings=256, rms_norm_eps=1e-5, swiglu_limit=LIMIT, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    kw.update(over)
+    return transformers.GptOssConfig(**kw)
+
+
+def _randomise(hf_model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            scale = 0.1
+            if "experts" in name:  # gate / up values of several units: the clamp at LIMIT is reached
+                scale = 0.6 if "gate_up" in name else 0.2
+            elif "sinks" in name:
+                scale = 1.0
+            noise = scale * torch.randn(p.shape, generator=gen)
+            p.copy_(p + noise if "norm" in name else noise)
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    return resolve(detect_platform("cpu"))
+
+
+def make(tmp_path, seed: int = 0, **over):
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(**over), dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
+    _randomise(hf, seed)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    return hf
+
+
+def _clamp_share(hf, prompt) -> float:
+    """The share of gate/up values of layer 0's chosen experts past the limit (so the clamp is tested)."""
+    seen = []
+    experts = hf.model.layers[0].mlp.experts
+
+    def hook(mod, args):
+        x, idx = args[0], args[1]
+        for e in idx.unique():
+            gu = x @ mod.gate_up_proj[e] + mod.gate_up_proj_bias[e]
+            seen.append((gu[..., ::2] > LIMIT).float().mean().item() + (gu[..., 1::2].abs() > LIMIT).float().mean().item())
+
+    h = experts.register_forward_pre_hook(hook)
+    with torch.no_grad():
+        hf(prompt[None])
+    h.remove()
+    return sum(seen) / len(seen)
+
+
+def test_prefill_and_decode_match_hf(tmp_path, cpu_ops):
+    hf = make(tmp_path)
+    loaded = load_model(str(tmp_path), device=torch.device("cpu"), ops=cpu_ops)
+    assert type(loaded.model).__name__ == "GptOssForCausalLM"
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (5, 17, 9)]  # 17 crosses a KV block and windows
+    assert _clamp_share(hf, prompts[1]) > 0.05
+    prefill, next_ids, decode = run_prefill_and_decode(loaded.model, loaded.hf_config, prompts, "cpu", torch.float32)
+    with torch.no_grad():
+        for b, p in enumerate(prompts):
+            assert rel_err(prefill[b], hf(p[None]).logits[0]) < 1e-4, f"prefill seq {b}"
+            ref_next = hf(torch.cat([p, next_ids[b: b + 1]])[None]).logits[0, -1]
+            assert rel_err(decode[b], ref_next) < 1e-4, f"decode seq {b}"
+
+
+def _check_greedy(hf, model, config, prompts, steps=32):
+    for n, prompt in enumerate(prompts):
+        tokens, logits = greedy(model, config, prompt, steps)
+        with torch.no_grad():
+            ref = hf.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              do_sample=False, max_new_tokens=steps, min_new_tokens=steps)[0, len(prompt):]
+            full = hf(torch.cat([prompt, torch.tensor(tokens)])[None]).logits[0, len(prompt) - 1: -1]
+        assert tokens == ref.tolist(), f"prompt {n}"
+        assert len(set(tokens)) > steps // 6, f"prompt {n}: a varied continuation, so equal tokens say something"
+        for i in range(steps):
+            assert rel_err(logits[i], full[i]) < 1e-4, f"prompt {n} step {i}"
+
+
+def test_greedy_32_tokens_far_past_the_window_match_hf(tmp_path, cpu_ops):
+    """Three prompts, 32 greedy tokens each (windows of 6, KV blocks of 16): HF's generate's tokens, and every
+    step's logits within 1e-4 of HF's over the same tokens."""
+    hf = make(tmp_path, seed=2)
+    loaded = load_model(str(tmp_path), device=torch.device("cpu"), ops=cpu_ops)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (3, 7, BLOCK + 4)]
+    _check_greedy(hf, loaded.model, loaded.hf_config, prompts)
+
+
+def test_the_parts_reach_the_layers(tmp_path, cpu_ops):
+    make(tmp_path)
+    model = load_model(str(tmp_path), device="cpu", ops=cpu_ops).model
+    attn = [layer.self_attn.attn for layer in model.model.layers]
+    assert [a.sliding_window for a in attn] == [WINDOW, None, WINDOW, None]
+    assert all(a.has_sinks for a in attn)
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.bias is not None and layer.self_attn.o_proj.bias is not None
+    assert layer.mlp.gate.bias is not None and layer.mlp.experts.limit == LIMIT
+    assert cpu_ops.chosen("moe_experts_biased") is not None
+
+
+# --- MXFP4 -------------------------------------------------------------------------------------------------------
+
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reference packer, written from the OCP MX spec independently of the loader: w [E, rows, cols] (out x in,
+    cols a multiple of 32) -> (blocks uint8 [E, rows, cols/32, 16], scales uint8 [E, rows, cols/32]); each block
+    of 32 shares 2 ** (s - 127), the smallest power of two that brings its max |w| within 6, the values rounded
+    to the nearest e2m1 magnitude, the sign in bit 3, two codes a byte, the even element in the low nibble."""
+    e, rows, cols = w.shape
+    g = w.reshape(e, rows, cols // 32, 32).float()
+    amax = g.abs().amax(-1).clamp(min=2.0 ** -100)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = g / torch.exp2(exp)[..., None]
+    mag = (scaled.abs()[..., None] - _FP4).abs().argmin(-1)  # [.., 32] index 0..7
+    codes = (mag | ((scaled < 0) & (mag > 0)).to(torch.long) << 3).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
+def write_mxfp4_checkpoint(src, dst) -> dict[str, torch.Tensor]:
+    """The unquantised checkpoint at ``src`` rewritten as GPT-OSS ships it: each expert stack as *_blocks and
+    *_scales of its [E, out, in] transpose, ``quantization_config`` mxfp4. Returns the packed tensors."""
+    tensors = load_file(f"{src}/model.safetensors")
+    packed = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = pack_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+    save_file({**tensors, **packed}, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    config = json.load(open(f"{src}/config.json"))
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(config, open(f"{dst}/config.json", "w"))
+    return packed
+
+
+def test_mxfp4_checkpoint_loads_and_equals_hf_on_the_dequantised_weights(tmp_path, cpu_ops):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from turnout.quant.mxfp4 import dequantize_mxfp4
+
+    (tmp_path / "bf").mkdir()
+    (tmp_path / "q").mkdir()
+    hf = make(tmp_path / "bf", seed=4)
+    packed = write_mxfp4_checkpoint(tmp_path / "bf", tmp_path / "q")
+    # HF's own dequantisation of the packed tensors is the peer: our dequantiser agrees bit for bit, and the
+    # packer is faithful (a 4-bit code per value, so within one e2m1 step of each block's scale)
+    with torch.no_grad():
+        for layer_idx, layer in enumerate(hf.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                name = f"model.layers.{layer_idx}.mlp.experts.{proj}"
+                blocks, scales = packed[f"{name}_blocks"], packed[f"{name}_scales"]
+                theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+                assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), theirs), name
+                original = getattr(layer.mlp.experts, proj)
+                assert (theirs - original).abs().max() <= original.abs().max() / 4, name
+                assert not torch.equal(theirs, original)
+                original.copy_(theirs)  # HF now holds the dequantised weights
+    loaded = load_model(str(tmp_path / "q"), device="cpu", ops=cpu_ops)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (4, 11, 8)]
+    _check_greedy(hf, loaded.model, loaded.hf_config, prompts, steps=12)
+
+
+def test_mxfp4_half_of_a_pair_is_refused_by_name(tmp_path, cpu_ops):
+    (tmp_path / "bf").mkdir()
+    (tmp_path / "q").mkdir()
+    make(tmp_path / "bf")
+    write_mxfp4_checkpoint(tmp_path / "bf", tmp_path / "q")
+    tensors = load_file(f"{tmp_path}/q/model.safetensors")
+    del tensors["model.layers.2.mlp.experts.down_proj_scales"]
+    save_file(tensors, f"{tmp_path}/q/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.down_proj_blocks .*down_proj_scales"):
+        load_model(str(tmp_path / "q"), device="cpu", ops=cpu_ops)
+
+
+# --- checkpoints that disagree with their config ---------------------------------------------------------------
+
+def test_sinks_of_the_wrong_shape_are_refused_naming_the_tensor(tmp_path, cpu_ops):
+    make(tmp_path)
+    tensors = load_file(f"{tmp_path}/model.safetensors")
+    tensors["model.layers.1.self_attn.sinks"] = torch.zeros(8)  # 8 entries for 4 heads
+    save_file(tensors, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.sinks.*\(8,\)"):
+        load_model(str(tmp_path), device="cpu", ops=cpu_ops)
+
+
+def test_missing_sinks_are_refused_naming_the_tensor(tmp_path, cpu_ops):
+    make(tmp_path)
+    tensors = load_file(f"{tmp_path}/model.safetensors")
+    del tensors["model.layers.3.self_attn.sinks"]
+    save_file(tensors, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing.*model\.layers\.3\.self_attn\.attn\.sinks"):
+        load_model(str(tmp_path), device="cpu", ops=cpu_ops)
+
+
+@pytest.mark.parametrize("edit,field", [
+    ({"layer_types": ["sliding_attention", "full_attention"] * 3}, "layer_types"),  # 6 entries for 4 layers
+    ({"layer_types": ["sliding_attention", "full_attention", "chunked_attention", "full_attention"]}, "layer_types"),
+    ({"sliding_window": None}, "sliding_window"),
+    ({"swiglu_limit": 0.0}, "swiglu_limit"),
+])
+def test_a_config_that_disagrees_with_itself_is_refused_naming_the_field(tmp_path, cpu_ops, edit, field):
+    make(tmp_path)
+    config = json.load(open(f"{tmp_path}/config.json"))
+    config.update(edit)
+    json.dump(config, open(f"{tmp_path}/config.json", "w"))
+    with pytest.raises(ValueError, match=field):
+        load_model(str(tmp_path), device="cpu", ops=cpu_ops)
+
+
+def test_the_model_checks_a_config_object_too(cpu_ops):
+    """A config object mutated after transformers validated it (or built without validation) meets the model's own
+    check, which names the field."""
+    from turnout.models.registry import get_model_class
+
+    cls = get_model_class(["GptOssForCausalLM"])
+    for field, value in (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 0),
+                         ("swiglu_alpha", -1.0)):
+        config = tiny_config()
+        object.__setattr__(config, field, value)
+        with torch.device("meta"), pytest.raises(ValueError, match=field):
+            cls(config, cpu_ops)
