@@ -171,27 +171,32 @@ def write_mxfp4_checkpoint(src, dst) -> dict[str, torch.Tensor]:
 
 
 def test_mxfp4_checkpoint_loads_and_equals_hf_on_the_dequantised_weights(tmp_path, cpu_ops):
+    """The peer is transformers loading the same MXFP4 checkpoint itself (``Mxfp4Config(dequantize=True)``, its
+    own conversion code): its expert weights equal our dequantiser's bit for bit, and its greedy tokens and logits
+    equal ours."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from turnout.quant.mxfp4 import dequantize_mxfp4
 
     (tmp_path / "bf").mkdir()
     (tmp_path / "q").mkdir()
-    hf = make(tmp_path / "bf", seed=4)
+    hf_bf = make(tmp_path / "bf", seed=4)
     packed = write_mxfp4_checkpoint(tmp_path / "bf", tmp_path / "q")
-    # HF's own dequantisation of the packed tensors is the peer: our dequantiser agrees bit for bit, and the
-    # packer is faithful (a 4-bit code per value, so within one e2m1 step of each block's scale)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "q"), dtype=torch.float32, attn_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
     with torch.no_grad():
-        for layer_idx, layer in enumerate(hf.model.layers):
+        for layer_idx, (layer, layer_bf) in enumerate(zip(hf.model.layers, hf_bf.model.layers)):
             for proj in ("gate_up_proj", "down_proj"):
                 name = f"model.layers.{layer_idx}.mlp.experts.{proj}"
                 blocks, scales = packed[f"{name}_blocks"], packed[f"{name}_scales"]
                 theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
                 assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), theirs), name
-                original = getattr(layer.mlp.experts, proj)
+                assert torch.equal(getattr(layer.mlp.experts, proj), theirs), name
+                # the packer is faithful: within a quarter of the largest weight, and really quantised
+                original = getattr(layer_bf.mlp.experts, proj)
                 assert (theirs - original).abs().max() <= original.abs().max() / 4, name
                 assert not torch.equal(theirs, original)
-                original.copy_(theirs)  # HF now holds the dequantised weights
     loaded = load_model(str(tmp_path / "q"), device="cpu", ops=cpu_ops)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (4, 11, 8)]
