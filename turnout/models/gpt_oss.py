@@ -62,6 +62,9 @@ class GptOssForCausalLM(MoeDecoderForCausalLM):
     def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE,
                  expert_parallel: bool = False):
         check_config(config)
+        if plan.all_linear:  # batch-invariant mode (turnout/ops/batch_invariant.py)
+            raise ValueError("batch_invariant: GPT-OSS's biased clamped-SwiGLU experts (moe_experts_biased) have no "
+                             "batch-invariant implementation yet; run it with batch_invariant off")
         if plan.experts_quant is not None:  # said once, not per layer
             logger.info("GPT-OSS experts stay in the compute dtype: fp8 experts have no kernel for their biases and "
                         "clamped SwiGLU (the other linear layers are quantised)")
