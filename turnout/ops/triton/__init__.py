@@ -56,6 +56,7 @@ TUNES: dict[str, str] = {
     "add_rms_norm_linear": "turnout.ops.triton._tuning:small_m_tiles",
     "fp8_linear": "turnout.ops.triton._tuning:small_m_tiles",
     "moe_experts": "turnout.ops.triton.moe_decode_config:tuned",
+    "moe_experts_biased": "turnout.ops.triton.moe_decode_config:tuned",
 }
 
 # ops whose kernels need e4m3fn fp8 units besides Triton (turnout/ops/fp8_platform.py: sm89+ on CUDA)
@@ -106,9 +107,10 @@ _MOE_DOC = ("auto: the one-token kernel at T = 1, the decode kernels (no sort) w
 CHOICES: dict[str, tuple[Choice, ...]] = {
     "moe_experts": (Choice("kernel", values=("grouped", "decode"), note=_moe_note, doc=_MOE_DOC),),
     "moe_experts_fp8": (Choice("kernel", values=("grouped", "decode"), doc=_MOE_DOC),),
-    # the biased / clamped-SwiGLU variant has the grouped path only (no sort-free decode or one-token kernel)
-    "moe_experts_biased": (Choice("kernel", values=("grouped",), doc="auto = grouped: the sorted grouped GEMM "
-                                  "at every T (no decode or one-token kernel serves biased experts)"),),
+    # the biased / clamped-SwiGLU variant: the sort-free decode kernels and the grouped GEMM (no one-token kernel)
+    "moe_experts_biased": (Choice("kernel", values=("grouped", "decode"), doc=(
+        "auto: the decode kernels (no sort) while T*k <= max(128, 4*E), the sorted grouped GEMM beyond (no "
+        "one-token kernel: its down kernel has no bias). grouped / decode: that path at every T")),),
     "paged_attention": (_NUM_SPLITS,),
     "rotary_paged_attention": (_NUM_SPLITS,),
 }

@@ -10,8 +10,9 @@ The (token, slot) pairs are sorted per expert into block-aligned rows exactly as
 3. out = the sum over the k slots of each token, in float32.
 
 Kernels of their own rather than constexprs on moe.py's, so the tuned SwiGLU kernels stay exactly as they
-were. There is no decode (sort-free) or one-token variant yet: the grouped path serves every T, which is what
-the op table has for this op (the choice ``kernel`` has only ``grouped``).
+were. Few pairs (decode, ``use_decode`` as for ``moe_experts``) take the sort-free kernels of
+moe_biased_decode.py instead; there is no one-token variant (its down kernel has no bias). The declared choice
+``kernel`` (turnout/ops/triton/__init__.py) fixes either path: ``grouped`` or ``decode``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import triton.language as tl
 from turnout.ops.reference.moe_biased import check_activation
 from turnout.ops.triton._tuning import interpreted
 from turnout.ops.triton.moe import _tile, align_block_size, gemm_config
+from turnout.ops.triton.moe_biased_decode import moe_experts_biased_decode
+from turnout.ops.triton.moe_decode_config import DecodeConfig, use_decode
 
 _INTERPRET = interpreted()
 _ACT = {"silu": 0, "clamped_swiglu": 1}
@@ -118,11 +121,13 @@ def _down_bias_weighted_kernel(act_ptr, w2_ptr, b2_ptr, out_ptr, weights_ptr, so
 def moe_experts_biased(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: torch.Tensor | None, w2: torch.Tensor,
                        w2_bias: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        activation: str = "clamped_swiglu", alpha: float = 1.702, limit: float = 7.0, *,
-                       kernel: str = "auto") -> torch.Tensor:
-    """See turnout/ops/reference/moe_biased.py for the contract. ``kernel``: "auto" or "grouped" (the same)."""
+                       kernel: str = "auto", decode_config: DecodeConfig | None = None) -> torch.Tensor:
+    """See turnout/ops/reference/moe_biased.py for the contract. ``kernel`` (the policy's
+    ``moe_experts_biased.kernel``, bound once by the op table): "auto", "grouped" or "decode". ``decode_config``:
+    the decode kernels' tiles (TURNOUT_MOE_DECODE_CONFIG, bound once by the op table)."""
     check_activation(activation)
-    if kernel not in ("auto", "grouped"):
-        raise ValueError(f"moe_experts_biased: kernel must be auto or grouped, got {kernel!r}")
+    if kernel not in ("auto", "grouped", "decode"):
+        raise ValueError(f"moe_experts_biased: kernel must be auto, grouped or decode, got {kernel!r}")
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -130,6 +135,9 @@ def moe_experts_biased(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: torch.
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
+    if kernel == "decode" or (kernel == "auto" and use_decode(num_tokens, top_k, num_experts)):
+        return moe_experts_biased_decode(hidden, w13, w13_bias, w2, w2_bias, topk_weights, topk_ids,
+                                         _ACT[activation], alpha, limit, config=decode_config)
     hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
     has_b13, has_b2 = w13_bias is not None, w2_bias is not None
     b13 = w13_bias.contiguous() if has_b13 else w13  # any pointer when absent: never read (HAS_BIAS=False)
