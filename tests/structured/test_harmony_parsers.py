@@ -30,9 +30,9 @@ CASES = [
     (ANALYSIS + FINAL, 'User asks: "What is 2+2?" Simple: 4.', "2 + 2 = **4**.", []),
     (ANALYSIS + CALL, 'User asks: "What is 2+2?" Simple: 4.', None,
      [("get_weather", '{"location":"Tokyo, Japan","unit":"celsius"}')]),
-    ("<|channel|>analysis<|message|>Need weather and time.<|end|>" + PREAMBLE + CALL + "<|call|>" + CALL_HEADER_FIRST,
-     "Need weather and time.", "Checking the weather for you.",
-     [("get_weather", '{"location":"Tokyo, Japan","unit":"celsius"}'), ("get_time", '{"tz": "Asia/Tokyo"}')]),
+    # a preamble to the user, then the call with its recipient in the header (one call a turn: <|call|> ends it)
+    ("<|channel|>analysis<|message|>Need the time.<|end|>" + PREAMBLE + CALL_HEADER_FIRST + "<|call|>",
+     "Need the time.", "Checking the weather for you.", [("get_time", '{"tz": "Asia/Tokyo"}')]),
     # a second round after a tool result: two analysis messages, then the answer
     ("<|channel|>analysis<|message|>First.<|end|><|start|>assistant<|channel|>analysis<|message|>Second, with "
      "<b>tags</b> and a < b.<|end|><|start|>assistant<|channel|>final<|message|>Done: {\"a\": 1}",
@@ -42,6 +42,10 @@ CASES = [
     # cut by max_tokens inside the reasoning
     ("<|channel|>analysis<|message|>Thinking about <|start and more", "Thinking about <|start and more", None, []),
     ("<|channel|>final<|message|>Answer.<|return|>", None, "Answer.", []),  # the stop token kept in the text
+    # a model not stopped at <|call|> goes on (a made-up tool answer): the turn ended at the call
+    (ANALYSIS + CALL + "<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+     '{"temp": 20}<|end|>', 'User asks: "What is 2+2?" Simple: 4.', None,
+     [("get_weather", '{"location":"Tokyo, Japan","unit":"celsius"}')]),
 ]
 
 

@@ -13,7 +13,8 @@ after the channel, an optional ``<|constrain|>`` content type) and, after ``<|me
 ``commentary`` (tool calls, which have a recipient, and preambles to the user, which do not), ``final`` (the
 answer). The markers are special tokens: the server keeps them in the text for these parsers. The last end
 marker is the stop token and is not in the text; text outside any header is content (a model that did not
-answer in harmony).
+answer in harmony). ``<|call|>`` and ``<|return|>`` end the turn: a text that goes on after one (an engine that
+did not stop on it: GPT-OSS lists ``<|call|>`` only in its generation_config.json) is read up to it.
 
 ``split_messages(text, final)``: with ``final=False`` only what can no longer change: a header is reported once
 it is complete, a body without a suffix that may begin a marker, so the reports of a growing text only grow.
@@ -28,6 +29,7 @@ from turnout.entrypoints.openai.tool_parsers.json_scan import held_back
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
+TURN_ENDS = ("<|return|>", "<|call|>")  # the stop tokens: the end of the assistant's turn
 MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)
 _CHANNEL_RE = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT_RE = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
@@ -84,6 +86,8 @@ def split_messages(text: str, final: bool) -> list[Message]:
         e, size = _next_end(text, body_at)
         if e >= 0:
             out.append(Message(pos, channel, recipient, text[body_at:e], e, e + size, True))
+            if text.startswith(TURN_ENDS, e):
+                break  # the turn is over: whatever a model that was not stopped wrote after it is not the answer
             pos = e + size
             continue
         stop = n if final else n - held_back(text[body_at:], MARKERS)
