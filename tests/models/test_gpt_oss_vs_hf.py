@@ -335,3 +335,22 @@ def test_bf16_on_gpu_matches_hf_past_the_window(tmp_path):
         full = hf(torch.cat([prompt, torch.tensor(tokens)])[None].to(dev)).logits[0, len(prompt) - 1: -1]
     errs = [rel_err(logits[i], full[i]) for i in range(steps)]
     assert max(errs) < 5e-2 and sum(errs) / steps < 2e-2, [round(e, 4) for e in errs]
+
+
+def test_fp8_quantises_the_linear_layers_and_keeps_the_experts(tmp_path, cpu_ops):
+    """``quantization="fp8"``: the projections become fp8 (with their biases), the biased clamped-SwiGLU experts,
+    which no fp8 kernel computes, stay in the compute dtype, holding exactly HF's weights (never plain fp8 SwiGLU
+    experts). (No logits bound against HF here: this tiny model's routing flips under any weight perturbation;
+    HF's own forward moves by ~50 % when only its attention weights are rounded to fp8.)"""
+    hf = make(tmp_path, seed=6)
+    model = load_model(str(tmp_path), device="cpu", ops=cpu_ops, quantization="fp8").model
+    for i, layer in enumerate(model.model.layers):
+        assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        assert layer.self_attn.qkv_proj.bias is not None and layer.self_attn.o_proj.bias is not None
+        experts, theirs = layer.mlp.experts, hf.model.layers[i].mlp.experts
+        assert type(experts).__name__ == "BiasedExperts" and experts.gate_up_proj.dtype == torch.float32
+        assert torch.equal(experts.down_proj, theirs.down_proj.transpose(1, 2))
+        assert torch.equal(experts.gate_up_proj[:, :32], theirs.gate_up_proj[..., 0::2].transpose(1, 2))
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(7)) for n in (6, 11)]
+    prefill, _, decode = run_prefill_and_decode(model, hf.config, prompts, "cpu", torch.float32)
+    assert all(torch.isfinite(x).all() for x in (*prefill, decode))
