@@ -354,3 +354,18 @@ def test_fp8_quantises_the_linear_layers_and_keeps_the_experts(tmp_path, cpu_ops
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(7)) for n in (6, 11)]
     prefill, _, decode = run_prefill_and_decode(model, hf.config, prompts, "cpu", torch.float32)
     assert all(torch.isfinite(x).all() for x in (*prefill, decode))
+
+
+def test_mxfp4_quantization_config_is_gpt_oss_only():
+    """An MXFP4 ``quantization_config`` means GPT-OSS's dequantised-at-load experts: nothing else is quantised (or
+    ``quantization="fp8"`` quantises the projections at load); on another family it is refused by name."""
+    from turnout.quant import quant_config
+
+    gpt_oss = tiny_config()
+    gpt_oss.quantization_config = {"quant_method": "mxfp4"}
+    assert quant_config(gpt_oss) is None
+    assert quant_config(gpt_oss, "fp8").source == "quantised at load"
+    llama = transformers.LlamaConfig(num_hidden_layers=1)
+    llama.quantization_config = {"quant_method": "mxfp4"}
+    with pytest.raises(ValueError, match="quantization_config.quant_method"):
+        quant_config(llama)
