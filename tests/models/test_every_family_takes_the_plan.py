@@ -45,6 +45,8 @@ CONFIGS = {
         ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(q_lora_rank=16, n_routed_experts=8, n_group=2,
                                                            topk_group=1, num_nextn_predict_layers=1)),
         ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig", dict(q_lora_rank=16, n_routed_experts=8)))},
+    "GptOssForCausalLM": lambda: transformers.GptOssConfig(**SMALL, head_dim=8, num_local_experts=4,
+                                                           num_experts_per_tok=2, sliding_window=8),
 }
 POST_NORM = {"Olmo2ForCausalLM"}
 PLAN = FusionPlan(one_row_linear=True, prenorm_linear=True, prenorm_pays=lambda n, k: True, rope_attention=True)

@@ -16,6 +16,7 @@ from turnout.ops.triton import (
     attention,
     cache,
     linear,
+    moe_biased_decode,
     moe_decode,
     moe_one_token,
     norm,
@@ -103,7 +104,7 @@ def _cases():
                dict(S_PAD=4, HEAD_D=128, D_PAD=128, **pdl), {})
     yield ("route", routing._route_kernel,
            {"LOGITS": B, "BIAS": F32, "SCALE": F32, "W_OUT": F32, "ID_OUT": I32, "scaling": "fp32"},
-           dict(K=8, BLOCK_E=128, SIGMOID=False, AFTER_TOPK=False, RENORM=True, HAS_BIAS=False, HAS_SCALE=False,
+           dict(K=8, K_PAD=8, BLOCK_E=128, SIGMOID=False, AFTER_TOPK=False, RENORM=True, HAS_BIAS=False, HAS_SCALE=False,
                 **PDL), {"num_warps": 1})
     moe = dict(SCAN=16, BLOCK_M=16, BLOCK_K=128, BY_SLOT=True, EVEN_K=True, PRECISION=None, UPCAST=False, **PDL)
     yield ("moe decode gate_up", moe_decode._decode_gate_up_kernel,
@@ -126,6 +127,13 @@ def _cases():
                                                    "MAP": I64}, dict(BLOCK=2048), {})
     yield ("moe sum slots", moe_decode._sum_slots_kernel, {"pair_out_ptr": F32, "ids_ptr": I32, "out_ptr": B},
            dict(KP=8, BLOCK_H=512, **PDL), {})
+    # GPT-OSS's biased experts with the clamped SwiGLU (moe_experts_biased's decode path)
+    yield ("moe biased decode gate_up", moe_biased_decode._gate_up_act_kernel,
+           {"x_ptr": B, "w13_ptr": B, "b13_ptr": B, "act_ptr": B, "ids_ptr": I32, "alpha": "fp32", "limit": "fp32"},
+           dict(BLOCK_N=64, HAS_BIAS=True, ACT=1, **moe), {"num_stages": 4})
+    yield ("moe biased decode down", moe_biased_decode._down_bias_kernel,
+           {"act_ptr": B, "w2_ptr": B, "b2_ptr": B, "weights_ptr": F32, "out_ptr": F32, "ids_ptr": I32},
+           dict(BLOCK_N=128, HAS_BIAS=True, **moe), {"num_stages": 3})
 
 
 

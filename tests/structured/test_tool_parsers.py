@@ -122,7 +122,7 @@ def test_malformed_calls_are_content(name, text):
 
 
 def test_mistral_ids_and_registry():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "openai"}
     calls = get_tool_parser("mistral").extract_tool_calls(MISTRAL[1][0]).tool_calls
     assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
     with pytest.raises(ValueError, match="--tool-call-parser.*hermes"):

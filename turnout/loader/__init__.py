@@ -76,7 +76,15 @@ def _load_config(src: ModelSource):
     else:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(src.path))
+        try:
+            config = AutoConfig.from_pretrained(str(src.path))
+        except Exception as e:
+            # transformers 5's strict configs validate their fields (huggingface_hub's StrictDataclassError, not a
+            # ValueError): the caller's mistake, said as one, with the validator's words (they name the field)
+            if type(e).__name__.startswith("StrictDataclass"):
+                cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
+                raise ValueError(f"{src.path}: config.json: {e}{cause}") from None
+            raise
     if not getattr(config, "architectures", None):
         # GGUF configs (and some hand-written ones) name only the model type; HF's causal-LM classes are
         # named after their config classes (LlamaConfig -> LlamaForCausalLM, Qwen3MoeConfig -> Qwen3MoeForCausalLM).

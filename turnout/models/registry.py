@@ -24,6 +24,7 @@ MODELS: dict[str, str] = {
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
     "Glm4MoeLiteForCausalLM": "deepseek:Glm4MoeLiteForCausalLM",
+    "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
 }
 
 

@@ -152,6 +152,10 @@ def quant_config(hf_config, quantization: str | None = None) -> Fp8Config | None
             cfg = _hf_fp8(qc)
         elif method == "compressed-tensors":
             cfg = _compressed_tensors(qc)
+        elif method == "mxfp4" and getattr(hf_config, "model_type", None) == "gpt_oss":
+            # GPT-OSS's MXFP4 experts are dequantised while they load (turnout/quant/mxfp4.py), the rest is stored
+            # unquantised: an unquantised checkpoint as far as the methods here go
+            return quant_config(_without_quantization_config(hf_config), quantization)
         else:
             _bad("quantization_config.quant_method", f"{method!r} is not supported (fp8, compressed-tensors)")
     elif quantization == "fp8":
@@ -165,6 +169,14 @@ def quant_config(hf_config, quantization: str | None = None) -> Fp8Config | None
              "128x128 block weight scales with activations per token and 128 group (weight_block_size [128, 128]; "
              f"compressed-tensors block with dynamic group 128 activations); this checkpoint is {cfg.describe()}")
     return cfg
+
+
+def _without_quantization_config(hf_config):
+    import copy
+
+    plain = copy.copy(hf_config)
+    plain.quantization_config = None
+    return plain
 
 
 def has_experts(hf_config) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnout.entrypoints.openai.errors import bad_request
-from turnout.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
+from turnout.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
 from turnout.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from turnout.entrypoints.openai.tool_parsers.constrained import (
     check_tools,
@@ -67,8 +67,19 @@ def plan_tools(req, options) -> ToolPlan:
                           "--enable-auto-tool-choice --tool-call-parser NAME; or send tool_choice \"required\", "
                           'a named function, or "none"', param=param, code="unsupported")
     plan.parser = get_tool_parser(options.tool_call_parser)
-    plan.keep_special_tokens = options.tool_call_parser == "mistral"
+    plan.keep_special_tokens = options.tool_call_parser in ("mistral", "openai")
     return plan
+
+
+def keeps_special_tokens(options, plan: ToolPlan, structured: bool) -> bool:
+    """Whether a request's text keeps the special tokens: its tool parser's markers are special tokens (mistral's
+    ``[TOOL_CALLS]``, harmony's), or its reasoning parser's are (harmony's channels; not under a constraint,
+    where that parser is not used)."""
+    if plan.keep_special_tokens:
+        return True
+    name = options.reasoning_parser
+    return (name is not None and not structured and plan.constraint is None
+            and REASONING_PARSERS[name].keeps_special_tokens)
 
 
 def checked_tools(tools) -> list | None:

@@ -76,10 +76,10 @@ def add_arguments(p) -> None:
                           '400 ("required" and named choices need neither: structured output enforces them)')
     api.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                      help="the model's tool-call syntax (Qwen2.5 / Qwen3 / Hermes: hermes; Llama 3.x: "
-                          "llama3_json; Mistral: mistral)")
+                          "llama3_json; Mistral: mistral; GPT-OSS's harmony: openai)")
     api.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                     help="split <think> ... </think> off into message.reasoning_content (and "
-                          "delta.reasoning_content when streaming)")
+                     help="split <think> ... </think> (GPT-OSS: openai_gptoss, its analysis channel) off into "
+                          "message.reasoning_content (and delta.reasoning_content when streaming)")
     api.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                      help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     api.add_argument("--grammar-timeout", type=float, default=10.0,

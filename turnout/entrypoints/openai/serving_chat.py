@@ -9,7 +9,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from turnout.entrypoints.openai import protocol as P
-from turnout.entrypoints.openai.chat_tools import ChoiceParser, plan_tools, reasoning_parser, template_messages
+from turnout.entrypoints.openai.chat_tools import (
+    ChoiceParser,
+    keeps_special_tokens,
+    plan_tools,
+    reasoning_parser,
+    template_messages,
+)
 from turnout.entrypoints.openai.errors import bad_request
 from turnout.entrypoints.openai.serving import (
     SSE_HEADERS,
@@ -88,7 +94,7 @@ async def create_chat_completion(state, request: Request):
     so = await _structured_outputs(state, request, req, plan.constraint)
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=k,
                               rename={"max_tokens": mt_name, "logprobs": "top_logprobs"}, structured_outputs=so)
-    if plan.keep_special_tokens and "skip_special_tokens" not in req.model_fields_set:
+    if keeps_special_tokens(state.options, plan, so is not None) and "skip_special_tokens" not in req.model_fields_set:
         params = dataclasses.replace(params, skip_special_tokens=False)
     ids = await state.chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
                                     **_template_kwargs(req, plan.template_tools))

@@ -118,10 +118,12 @@ class SparseMoeBlock(nn.Module):
                  shared_intermediate_size: int = 0, shared_gated: bool = False,
                  shared_name: str = "shared_experts", latent_size: int | None = None,
                  router_logits_fp32: bool = False, plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, gate: nn.Module | None = None, experts: nn.Module | None = None):
         super().__init__()
         self.routing = routing
-        self.gate = Router(hidden_size, routing, logits_fp32=router_logits_fp32, ops=ops, plan=plan)
+        # gate / experts: a family's own router or routed experts (GPT-OSS: biased, clamped SwiGLU), built by it
+        self.gate = gate if gate is not None else Router(hidden_size, routing, logits_fp32=router_logits_fp32,
+                                                         ops=ops, plan=plan)
         # a list the model runner hands every block for one forward whose routing a request returns
         # (turnout/worker/routed_experts.py); None otherwise, so other steps record nothing
         self.record_routing: list | None = None
@@ -130,8 +132,9 @@ class SparseMoeBlock(nn.Module):
         if self.latent:
             self.fc1_latent_proj = ReplicatedLinear(hidden_size, latent_size, bias=False, ops=ops, plan=plan)
             self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden_size, bias=False, ops=ops, plan=plan)
-        self.experts = FusedExperts(routing.num_experts, expert_dim, moe_intermediate_size, ops, tp=tp,
-                                    expert_parallel=expert_parallel, quant=plan.experts_quant)
+        self.experts = experts if experts is not None else FusedExperts(
+            routing.num_experts, expert_dim, moe_intermediate_size, ops, tp=tp, expert_parallel=expert_parallel,
+            quant=plan.experts_quant)
         self.shared_name = shared_name if shared_intermediate_size else None
         if shared_intermediate_size:
             self.add_module(shared_name, SharedExpertMLP(hidden_size, shared_intermediate_size, ops, plan, tp))

@@ -14,6 +14,7 @@ def all_specs() -> list[OpSpec]:
         linear,
         mla,
         moe,
+        moe_biased,
         moe_fp8,
         norm,
         rotary,
@@ -31,4 +32,5 @@ def all_specs() -> list[OpSpec]:
             bitmask.APPLY_TOKEN_BITMASK, swap.SWAP_LAYER, swap.SWAP_LAYER_ASYNC,
             collectives.ALL_REDUCE, collectives.ALL_GATHER, collectives.REDUCE_SCATTER, collectives.ALL_TO_ALL,
             fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR, moe_fp8.MOE_EXPERTS_FP8,
-            mla.MLA_RESHAPE_AND_CACHE, mla.MLA_PAGED_ATTENTION]
+            mla.MLA_RESHAPE_AND_CACHE, mla.MLA_PAGED_ATTENTION,
+            moe_biased.MOE_EXPERTS_BIASED]

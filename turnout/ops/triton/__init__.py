@@ -38,6 +38,7 @@ KERNELS: dict[str, str] = {
     "moe_experts_fp8": "moe_fp8:moe_experts_fp8",
     "mla_reshape_and_cache": "mla:mla_reshape_and_cache",
     "mla_paged_attention": "mla:mla_paged_attention",
+    "moe_experts_biased": "moe_biased:moe_experts_biased",
 }
 
 
@@ -57,6 +58,7 @@ TUNES: dict[str, str] = {
     "add_rms_norm_linear": "turnout.ops.triton._tuning:small_m_tiles",
     "fp8_linear": "turnout.ops.triton._tuning:small_m_tiles",
     "moe_experts": "turnout.ops.triton.moe_decode_config:tuned",
+    "moe_experts_biased": "turnout.ops.triton.moe_decode_config:tuned",
 }
 
 # ops whose kernels need e4m3fn fp8 units besides Triton (turnout/ops/fp8_platform.py: sm89+ on CUDA)
@@ -107,6 +109,10 @@ _MOE_DOC = ("auto: the one-token kernel at T = 1, the decode kernels (no sort) w
 CHOICES: dict[str, tuple[Choice, ...]] = {
     "moe_experts": (Choice("kernel", values=("grouped", "decode"), note=_moe_note, doc=_MOE_DOC),),
     "moe_experts_fp8": (Choice("kernel", values=("grouped", "decode"), doc=_MOE_DOC),),
+    # the biased / clamped-SwiGLU variant: the sort-free decode kernels and the grouped GEMM (no one-token kernel)
+    "moe_experts_biased": (Choice("kernel", values=("grouped", "decode"), doc=(
+        "auto: the decode kernels (no sort) while T*k <= max(128, 4*E), the sorted grouped GEMM beyond (no "
+        "one-token kernel: its down kernel has no bias). grouped / decode: that path at every T")),),
     "paged_attention": (_NUM_SPLITS,),
     "rotary_paged_attention": (_NUM_SPLITS,),
     "mla_paged_attention": (Choice(

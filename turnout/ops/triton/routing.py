@@ -75,7 +75,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring: str, softma
     bias = e_score_correction_bias if e_score_correction_bias is not None else weights
     scale = per_expert_scale if per_expert_scale is not None else weights
     _route_kernel[(t,)](logits, bias, scale, weights, ids, e, logits.stride(0), float(routed_scaling_factor),
-                        K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e), SIGMOID=scoring == "sigmoid",
+                        K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e),
+                        SIGMOID=scoring == "sigmoid",
                         AFTER_TOPK=bool(softmax_after_topk), RENORM=bool(renormalize),
                         HAS_BIAS=e_score_correction_bias is not None, HAS_SCALE=per_expert_scale is not None,
                         num_warps=4 if e > 256 else 1, **pdl_args(logits, "routing"))

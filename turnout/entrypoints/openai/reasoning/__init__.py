@@ -10,11 +10,13 @@ from turnout.entrypoints.openai.reasoning.base import (
     StreamingReasoningParser,
     assemble_reasoning,
 )
+from turnout.entrypoints.openai.reasoning.harmony import HarmonyReasoningParser
 from turnout.entrypoints.openai.reasoning.parsers import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "openai_gptoss": HarmonyReasoningParser,
 }
 
 

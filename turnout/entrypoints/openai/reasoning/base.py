@@ -33,6 +33,7 @@ class ReasoningParser:
     start = "<think>"
     end = "</think>"
     default_opened = False
+    keeps_special_tokens = False  # its markers are special tokens: the server detokenises with them
 
     def __init__(self, opened_in_prompt: bool | None = None):
         self.opened = self.default_opened if opened_in_prompt is None else opened_in_prompt

@@ -24,6 +24,7 @@ TOOL_PARSERS: dict[str, str] = {
     "hermes": "hermes:HermesToolParser",
     "llama3_json": "llama3_json:Llama3JsonToolParser",
     "mistral": "mistral:MistralToolParser",
+    "openai": "openai:OpenAIToolParser",
 }
 
 
