@@ -227,7 +227,8 @@ VLLM_NOOPS = {
         refusal="turnout has no unchunked prefill: a prompt longer than max_num_batched_tokens is always chunked"),
     "generation_config": VllmNoOp(
         "turnout's request defaults are its own (vLLM's 'vllm' mode): the model's generation_config.json "
-        "sets no default temperature, top_p or top_k", accepts=("auto", "vllm"), metavar="{auto,vllm}",
+        "sets no default temperature, top_p or top_k (its eos_token_id list is read: those tokens end a sequence, "
+        "as in vLLM)", accepts=("auto", "vllm"), metavar="{auto,vllm}",
         refusal="a folder's generation_config.json is not applied by turnout (its defaults are vLLM's own, "
         "as with 'vllm'); give 'auto' or 'vllm', or leave it out, and set sampling parameters per request"),
 }

@@ -115,7 +115,9 @@ class LLMEngine:
         self.executor.shutdown()
 
     def _eos_ids(self) -> set[int]:
-        ids = set()
+        from turnout.loader.source import generation_eos_ids
+
+        ids = {i for i in generation_eos_ids(self.config.model) if i < self.runner.vocab_size}
         for src in (getattr(self.hf_config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
             if isinstance(src, int):
                 ids.add(src)

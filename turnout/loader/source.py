@@ -87,3 +87,24 @@ def _snapshot(repo_id: str, config_only: bool) -> str:
             f"({type(e).__name__}: {e}). Offline (HF_HUB_OFFLINE=1 or no network), a Hub id works only "
             f"if it is already in the local cache; otherwise pass a local model directory or .gguf file."
         ) from None
+
+
+def generation_eos_ids(model: str | None) -> list[int]:
+    """The end-of-sequence ids in a model folder's generation_config.json. Chat models list their end-of-turn
+    tokens there and nowhere else (GPT-OSS's ``<|call|>`` and ``<|return|>``; Llama 3's ``<|eot_id|>``), so a
+    server that ignores them generates past the end of a turn; vLLM stops on them as well. Only this field is
+    read: the file's sampling defaults are not applied (see EngineConfig's ``generation_config``)."""
+    try:
+        src = resolve_source(model, config_only=True)
+    except (ValueError, OSError):
+        return []
+    if src.kind != "hf_dir" or not (src.path / "generation_config.json").is_file():
+        return []
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(src.path).eos_token_id
+    except (OSError, ValueError):
+        return []
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return [i for i in eos if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
