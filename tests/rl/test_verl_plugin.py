@@ -202,7 +202,8 @@ def loop(tmp_path_factory):
         lb = get_router_handle(servers={replica.server_address: replica.server_handle})
         client = LLMServerClient(OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "turnout"}}}), lb)
         print(f"\nverl loop: Ray + colocated turnout replica up in {time.perf_counter() - t0:.1f}s")
-        yield {"hf": hf, "replica": replica, "client": client, "server": replica.server_handle, "config": config}
+        yield {"hf": hf, "replica": replica, "client": client, "server": replica.server_handle, "config": config,
+               "model": model}
     finally:
         ray.shutdown()
 
@@ -350,3 +351,51 @@ def test_sleep_wake_abort_reject_resume_drain_as_verls_server(loop):
     assert rejected.stop_reason == "aborted" and rejected.token_ids == []
     assert was_parked and parked.stop_reason == "completed" and len(parked.token_ids) == 6
     assert finished_by_drain and drained.stop_reason == "completed" and len(drained.token_ids) == 200
+
+
+def test_hybrid_step_as_verls_fused_worker_drives_it(loop):
+    """verl's hybrid worker around a training step (engine_workers.py), through turnout's BaseRollout built by
+    verl's get_rollout_class, on the same server in verl's hybrid mode: release (sleep level 2: weights
+    dropped), resume(["weights"]), update_weights(the trainer's async generator, peft_config=None,
+    base_sync_done=True, global_steps=7), resume(["kv_cache"]); then the checkpoint engine's order: abort,
+    release_kv_cache, update, resume_kv_cache, resume_generation."""
+    import ray
+
+    replica, client, server, hf = loop["replica"], loop["client"], loop["server"], loop["hf"]
+    ray.get(server.__ray_call__.remote(lambda self: setattr(self, "rollout_mode", "hybrid")))
+    rollout = get_rollout_class("turnout", "async")(config=loop["config"], model_config=loop["model"],
+                                                    device_mesh=None)
+    new = _randomised(8)
+
+    async def trainer_weights():
+        for n, p in new.named_parameters():
+            yield n, p.detach().clone()
+
+    async def body():
+        await rollout.release()
+        level = await server.__ray_call__.remote(lambda self: self.engine.engine.rl.sleep_level)
+        await rollout.resume(tags=["weights"])
+        await rollout.update_weights(trainer_weights(), peft_config=None, base_sync_done=True, global_steps=7)
+        await rollout.resume(tags=["kv_cache"])
+        trained = await _rollout(client, GREEDY, "h1")
+        await replica.abort_all_requests()
+        await replica.release_kv_cache()
+        await rollout.update_weights(hf.named_parameters(), global_steps=8)
+        await replica.resume_kv_cache()
+        await replica.resume_generation()
+        back = await _rollout(client, GREEDY, "h2")
+        errors = []
+        for kwargs in ({"peft_config": {"r": 8}, "base_sync_done": True}, {"wire_format": "delta_flush"}):
+            with pytest.raises(ValueError) as e:
+                await rollout.update_weights(iter([]), **kwargs)
+            errors.append(str(e.value))
+        return level, trained, back, errors
+
+    try:
+        level, trained, back, errors = asyncio.run(body())
+    finally:
+        ray.get(server.__ray_call__.remote(lambda self: setattr(self, "rollout_mode", "colocated")))
+    assert level == 2
+    assert {o.extra_fields["global_steps"] for o in trained} == {7} and _worst(new, PROMPTS, trained) <= 1e-5
+    assert {o.extra_fields["global_steps"] for o in back} == {8} and _worst(hf, PROMPTS, back) <= 1e-5
+    assert errors[0].startswith("peft_config:") and errors[1].startswith("wire_format:")
