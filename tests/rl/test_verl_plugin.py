@@ -28,11 +28,10 @@ import time
 import pytest
 import torch
 
-try:
-    import verl  # noqa: F401 - loads the verl.plugins entry points
-except ImportError:
-    pytest.skip("verl is not installed (see docs/architecture.md, 'verl': the tested environment)",
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (docs/architecture.md, 'turnout as verl's rollout': the tested environment)",
                 allow_module_level=True)
+import verl  # noqa: E402,F401 - installed, so it must import (and load the verl.plugins entry points)
 
 import transformers  # noqa: E402
 from verl.workers.rollout.base import BaseRollout, get_rollout_class  # noqa: E402
