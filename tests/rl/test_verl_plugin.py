@@ -31,9 +31,8 @@ import torch
 if importlib.util.find_spec("verl") is None:
     pytest.skip("verl is not installed (docs/architecture.md, 'turnout as verl's rollout': the tested environment)",
                 allow_module_level=True)
-import verl  # noqa: E402,F401 - installed, so it must import (and load the verl.plugins entry points)
-
 import transformers  # noqa: E402
+import verl  # noqa: E402,F401 - installed, so it must import (and load the verl.plugins entry points)
 from verl.workers.rollout.base import BaseRollout, get_rollout_class  # noqa: E402
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput  # noqa: E402
 
@@ -228,6 +227,27 @@ def test_verls_client_generates_through_turnout_with_hfs_logprobs(loop):
     worst = max(_worst(loop["hf"], PROMPTS, sampled), _worst(loop["hf"], PROMPTS, greedy))
     print(f"\nverl loop: rollout vs HF logprobs max |delta| = {worst:.2e}")
     assert worst <= 1e-5
+
+
+def test_bad_requests_name_the_field(loop):
+    import ray
+
+    async def body():
+        errors = []
+        for prompt, sampling in [(PROMPTS[0], {"temprature": 1.0}), (PROMPTS[0], {"n": 2}),
+                                 (PROMPTS[0], {"temperature": -1.0}), (PROMPTS[0], {"max_tokens": "8"}),
+                                 ([5] * 4096, {}), (["a"], {})]:
+            with pytest.raises(ray.exceptions.RayTaskError) as e:
+                await loop["client"].generate("bad", prompt_ids=prompt, sampling_params=sampling)
+            errors.append(str(e.value.cause))
+        ok = await loop["client"].generate("ok", prompt_ids=PROMPTS[1], sampling_params=dict(GREEDY))
+        return errors, ok
+
+    errors, ok = asyncio.run(body())
+    for err, field in zip(errors, ["sampling_params.temprature", "sampling_params.n", "temperature",
+                                   "sampling_params.max_tokens", "prompt_ids", "prompt_ids"]):
+        assert err.startswith(field), (field, err)
+    assert ok.stop_reason == "completed" and len(ok.token_ids) == 6  # the engine is still fine
 
 
 def _verls_sender():

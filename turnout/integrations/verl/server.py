@@ -96,7 +96,10 @@ class TurnoutServer:
                 raise ValueError(f"{name}: the turnout rollout is text-only and not disaggregated")
         if priority != 0:
             raise ValueError(f"priority: request priorities are not supported by turnout (got {priority!r})")
-        prompt_ids = [int(t) for t in getattr(prompt_ids, "tolist", lambda: prompt_ids)()]
+        try:  # verl hands a list, a numpy array or a tensor of token ids
+            prompt_ids = [int(t) for t in getattr(prompt_ids, "tolist", lambda: prompt_ids)()]
+        except (TypeError, ValueError):
+            raise ValueError(f"prompt_ids: a list of token ids, got {type(prompt_ids).__name__}") from None
         cfg = self.config
         params = sampling.sampling_params(
             sampling_params, len(prompt_ids), max_model_len=self.max_model_len, prompt_length=cfg.prompt_length,
