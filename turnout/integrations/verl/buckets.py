@@ -184,8 +184,8 @@ class BucketSender:
                     await self._flush(sock, meta, False)
                     meta, offset = {}, 0
                 if t.nbytes > self.bucket_bytes:
-                    raise ValueError(f"weights: {name} ({t.nbytes >> 20} MiB) exceeds the bucket "
-                                     f"(rollout.checkpoint_engine.update_weights_bucket_megabytes)")
+                    raise ValueError(f"weights: {name} ({t.nbytes} bytes) exceeds the bucket of {self.bucket_bytes} "
+                                     "(rollout.checkpoint_engine.update_weights_bucket_megabytes)")
                 buffer[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
                 meta[name] = {"name": name, "shape": t.shape, "dtype": t.dtype, "offset": offset, "handle": None}
                 offset += t.nbytes
