@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 import ray
@@ -51,8 +50,11 @@ class TurnoutRollout(BaseRollout):
     def __init__(self, config, model_config, device_mesh, replica_rank: int = -1):
         super().__init__(config, model_config, device_mesh)
         check_supported(self.config)
-        rank = int(os.environ.get("RANK", "0"))
-        local_world = int(os.environ.get("RAY_LOCAL_WORLD_SIZE", "1"))
+        from turnout import envs
+
+        env = envs.get()  # verl's worker group sets both; absent: a single worker
+        rank = env.rank or 0
+        local_world = env.ray_local_world_size or 1
         world = self.config.tensor_model_parallel_size
         self.replica_rank = rank // world if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % world
