@@ -63,6 +63,20 @@ def test_verls_registries_hand_out_turnouts_classes():
     assert issubclass(plugin.TurnoutReplica, RolloutReplica) and not plugin.TurnoutReplica.__abstractmethods__
 
 
+def test_a_renamed_verl_registry_disables_that_entry_with_a_warning(monkeypatch, caplog):
+    """verl moving a registry turnout uses (its rollout registry is a module-private dict) costs that entry,
+    said once, never an import error; the other registry still takes turnout."""
+    from verl.workers.rollout import base
+
+    from turnout.integrations.verl import register
+
+    monkeypatch.delattr(base, "_ROLLOUT_REGISTRY")
+    with caplog.at_level("WARNING", logger="turnout.integrations.verl"):
+        status = register()
+    assert status["replica"] is None and "_ROLLOUT_REGISTRY is gone" in status["rollout"]
+    assert "the rollout registry could not take turnout" in caplog.text
+
+
 # ---- signatures -------------------------------------------------------------------------------------
 def _params(fn):
     """[(name, kind, default repr)] of every parameter, from a live function."""
