@@ -77,6 +77,27 @@ def test_a_renamed_verl_registry_disables_that_entry_with_a_warning(monkeypatch,
     assert "the rollout registry could not take turnout" in caplog.text
 
 
+def test_rollout_config_to_engine_options_and_refusals_name_the_field():
+    from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+
+    from turnout.integrations.verl.config import check_supported, engine_options
+
+    def cfg(**kw):
+        return RolloutConfig(name="turnout", tensor_model_parallel_size=1, **kw)
+
+    opts = engine_options(cfg(dtype="float32", max_model_len=512, seed=3, full_determinism=True,
+                              engine_kwargs={"turnout": {"kv_cache_memory": 1 << 20}}), 2, "")
+    assert opts["device"] == "cpu" and opts["seed"] == 5 and opts["batch_invariant"] is True
+    assert opts["dtype"] == "float32" and opts["max_model_len"] == 512 and opts["kv_cache_memory"] == 1 << 20
+    check_supported(cfg())
+    for config, field in [(cfg(data_parallel_size=2), "rollout.data_parallel_size"),
+                          (cfg(logprobs_mode="raw_logprobs"), "rollout.logprobs_mode"),
+                          (cfg(checkpoint_engine=CheckpointEngineConfig(backend="delta_sharded")),
+                           "rollout.checkpoint_engine.backend")]:
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            check_supported(config)
+
+
 # ---- signatures -------------------------------------------------------------------------------------
 def _params(fn):
     """[(name, kind, default repr)] of every parameter, from a live function."""

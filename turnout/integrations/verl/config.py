@@ -22,13 +22,17 @@ def check_supported(config) -> None:
     disagg = getattr(config, "disaggregation", None)
     if disagg is not None and getattr(disagg, "enabled", False):
         raise ValueError("rollout.disaggregation.enabled: prefill/decode disaggregation is not offered by turnout")
+    mode = getattr(config, "logprobs_mode", "processed_logprobs")
+    if mode not in (None, "processed_logprobs"):
+        raise ValueError(f"rollout.logprobs_mode: turnout returns the sampled tokens' logprobs after temperature "
+                         f"('processed_logprobs'; top-k / top-p are not applied to them), got {mode!r}")
     ckpt = getattr(config, "checkpoint_engine", None)
     if getattr(ckpt, "backend", None) == "delta_sharded":
         raise ValueError("rollout.checkpoint_engine.backend: delta_sharded sends vLLM's weight patches; use "
                          "naive (colocated) with the turnout rollout")
 
 
-def engine_options(config, model_config, replica_rank: int, devices: str) -> dict[str, Any]:
+def engine_options(config, replica_rank: int, devices: str) -> dict[str, Any]:
     """The LLM(...) options of one replica's engine. ``devices``: the accelerators verl gave the replica's
     node ("" on a host without any: the engine runs on the CPU)."""
     opts: dict[str, Any] = {
@@ -42,6 +46,8 @@ def engine_options(config, model_config, replica_rank: int, devices: str) -> dic
         "tensor_parallel_size": config.tensor_model_parallel_size,
         "seed": replica_rank + config.seed,
     }
+    if getattr(config, "full_determinism", False):
+        opts["batch_invariant"] = True  # a request's tokens whatever else is batched (vLLM's batch-invariant mode)
     if config.quantization is not None:
         opts["quantization"] = config.quantization
     if not devices:

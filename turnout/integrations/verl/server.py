@@ -79,7 +79,7 @@ class TurnoutServer:
     async def launch_server(self, master_address: str = None, master_port: int = None, dp_rpc_port: int = None):
         from turnout.engine.llm import LLM
 
-        opts = engine_options(self.config, self.model_config, self.replica_rank, self.devices)
+        opts = engine_options(self.config, self.replica_rank, self.devices)
         llm = await asyncio.to_thread(LLM, self.model_config.local_path, **opts)
         self.max_model_len = int(llm.engine.max_model_len)
         self.engine = AsyncLLMEngine(llm.engine, max_num_seqs=llm.engine.config.max_num_seqs or 256,
@@ -104,8 +104,8 @@ class TurnoutServer:
         params = sampling.sampling_params(
             sampling_params, len(prompt_ids), max_model_len=self.max_model_len, prompt_length=cfg.prompt_length,
             response_length=cfg.response_length, routed_experts=cfg.enable_rollout_routing_replay,
-            defaults={"repetition_penalty": cfg.get("repetition_penalty", 1.0),
-                      "ignore_eos": cfg.get("ignore_eos", False)})
+            defaults={"repetition_penalty": cfg.get("repetition_penalty", 1.0), "ignore_eos": cfg.get("ignore_eos", False),
+                      **({"seed": self.replica_rank + cfg.seed} if cfg.get("full_determinism", False) else {})})
         while self._submission_paused:  # the gate: closed by abort_all_requests until resume_generation
             if self._rejecting:
                 return TokenOutput(token_ids=[], stop_reason="aborted", extra_fields={"global_steps": self.global_steps})
