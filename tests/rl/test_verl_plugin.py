@@ -236,7 +236,7 @@ def loop(tmp_path_factory):
         client = LLMServerClient(OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "turnout"}}}), lb)
         print(f"\nverl loop: Ray + colocated turnout replica up in {time.perf_counter() - t0:.1f}s")
         yield {"hf": hf, "replica": replica, "client": client, "server": replica.server_handle, "config": config,
-               "model": model}
+               "model": model, "lb": lb}
     finally:
         ray.shutdown()
 
@@ -453,3 +453,29 @@ def test_hybrid_step_as_verls_fused_worker_drives_it(loop):
     assert {o.extra_fields["global_steps"] for o in trained} == {7} and _worst(new, PROMPTS, trained) <= 1e-5
     assert {o.extra_fields["global_steps"] for o in back} == {8} and _worst(hf, PROMPTS, back) <= 1e-5
     assert errors[0].startswith("peft_config:") and errors[1].startswith("wire_format:")
+
+
+def test_partial_rollout_resumes_across_an_abort_with_verls_fully_async_client(loop):
+    """verl's FullyAsyncLLMServerClient (partial rollout): a request aborted mid-way is resubmitted with its
+    tokens so far once generation resumes; the whole equals the uninterrupted rollout, logprobs HF's."""
+    from omegaconf import OmegaConf
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+
+    replica, server = loop["replica"], loop["server"]
+    client = FullyAsyncLLMServerClient(OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "turnout"}}}),
+                                       loop["lb"])
+    sampling = {**GREEDY, "max_tokens": 120}
+
+    async def body():
+        whole = await loop["client"].generate("whole", prompt_ids=PROMPTS[2], sampling_params=dict(sampling))
+        task = asyncio.ensure_future(client.generate("part", prompt_ids=PROMPTS[2], sampling_params=dict(sampling)))
+        await _until_generating(server, 1, 5)
+        info = await replica.abort_all_requests()
+        await asyncio.sleep(0.5)
+        await replica.resume_generation()
+        return whole, info, await task
+
+    whole, info, resumed = asyncio.run(body())
+    assert info["aborted_count"] == 1
+    assert resumed.stop_reason == "length" and resumed.token_ids == whole.token_ids  # the client says "length"
+    assert len(resumed.log_probs) == 120 and _worst(loop["hf"], [PROMPTS[2]], [resumed]) <= 1e-5
