@@ -25,6 +25,8 @@ BAD = {
     "TURNOUT_ROPE_ATTENTION": ["off please"],
     "TURNOUT_BENCH_CONFIGS": ["/no/such/directory/turnout"],
     "TRITON_INTERPRET": ["sometimes"],
+    "RANK": ["-1", "one"],
+    "RAY_LOCAL_WORLD_SIZE": ["0", "2.5"],
 }
 
 

@@ -27,7 +27,7 @@ ATTN_DECODE_KEYS = ("num_splits", "block_n", "num_warps", "num_stages")
 # Every variable this module reads (docs/architecture.md lists each; tests/test_envs.py checks both).
 VARIABLES = ("TURNOUT_OPS", "TURNOUT_PDL", "TURNOUT_PDL_EARLY", "TURNOUT_SMALL_M_TILES", "TURNOUT_MOE_DECODE_CONFIG",
              "TURNOUT_ATTN_DECODE", "TURNOUT_ROPE_ATTENTION", "TURNOUT_API_KEY", "TURNOUT_BENCH_CONFIGS",
-             "TRITON_INTERPRET")
+             "TRITON_INTERPRET", "RANK", "RAY_LOCAL_WORLD_SIZE")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -51,6 +51,10 @@ class Envs:
     api_key: str | None = None  # TURNOUT_API_KEY: `turnout serve --api-key` default
     bench_configs: Path | None = None  # TURNOUT_BENCH_CONFIGS: an extra directory of benchmark model configs
     triton_interpret: bool = False  # TRITON_INTERPRET: Triton kernels run in the interpreter (CPU tests)
+    # RANK, RAY_LOCAL_WORLD_SIZE: a verl trainer worker's rank and its node's worker count, as verl's Ray worker
+    # group sets them (the verl rollout, turnout/integrations/verl/rollout.py, finds its server and socket by them)
+    rank: int | None = None
+    ray_local_world_size: int | None = None
 
 
 def _text(environ: Mapping[str, str], name: str) -> str | None:
@@ -141,6 +145,19 @@ def _pdl_early(environ, name: str = "TURNOUT_PDL_EARLY") -> frozenset | None:
     return names
 
 
+def _int(environ, name: str, minimum: int) -> int | None:
+    text = _text(environ, name)
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {environ[name]!r}")
+    return value
+
+
 def _directory(environ, name: str) -> Path | None:
     text = _text(environ, name)
     if text is None:
@@ -166,6 +183,8 @@ def load(environ: Mapping[str, str] | None = None) -> Envs:
         api_key=_text(environ, "TURNOUT_API_KEY"),
         bench_configs=_directory(environ, "TURNOUT_BENCH_CONFIGS"),
         triton_interpret=_bool(environ, "TRITON_INTERPRET", False),
+        rank=_int(environ, "RANK", 0),
+        ray_local_world_size=_int(environ, "RAY_LOCAL_WORLD_SIZE", 1),
     )
 
 

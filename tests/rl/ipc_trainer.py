@@ -31,3 +31,14 @@ def trainer_main(path: str, seed: int, num_buckets: int, conn, device: str = "cp
         assert conn.recv() == "done"  # the engine read it: the buffer may go
         del buffer
     conn.send_bytes(b"")
+
+
+def bucket_trainer_main(path: str, seed: int, handle: str, bucket_bytes: int, device: str) -> None:
+    """verl's bucket protocol, trainer side (turnout/integrations/verl/buckets.py): the perturbed weights from
+    ``device`` ("cuda": CUDA IPC buffer; "cpu": a shared-memory segment) in buckets of ``bucket_bytes``."""
+    import asyncio
+
+    from turnout.integrations.verl.buckets import BucketSender
+
+    named = list(perturbed(path, seed).to(device).named_parameters())
+    asyncio.run(BucketSender(handle, bucket_bytes, use_shm=device == "cpu").send(named))

@@ -102,3 +102,20 @@ class AsyncRolloutMixin:
 
     async def reset_prefix_cache(self) -> int:
         return await self._on_engine(self.engine.reset_prefix_cache)
+
+    # ---- per-rank calls --------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.engine.executor.world_size
+
+    async def collective_rpc(self, method, args=(), kwargs=None, writes_weights: bool = False) -> list:
+        """``method`` (a callable taking the worker first, or a Worker method name) on every rank, on the engine
+        thread between two steps; each rank's result. ``writes_weights``: it writes weights, so it runs with
+        generation paused and every cached prefix is forgotten after (the KV was computed with the old ones)."""
+        def run():
+            out = self.engine.executor.collective_rpc(method, args, kwargs)
+            if writes_weights:
+                self.engine.reset_prefix_cache()
+            return out
+
+        return await self._on_engine(self._while_paused(run) if writes_weights else run)
