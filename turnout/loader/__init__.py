@@ -190,7 +190,7 @@ def _quant_methods(hf_config, quantization, ops) -> dict:
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str | torch.dtype = "auto",
                device: torch.device | str = "cpu", ops, seed: int = 0, tokenizer=None, plan=None,
                tp=None, enable_expert_parallel: bool = False,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, model_impl: str = "auto") -> LoadedModel:
     """Build the model for ``model`` on ``device`` with weights from its checkpoint.
 
     ``load_format``: "auto" (by what ``model`` is), "safetensors", "gguf", or "dummy" (random weights
@@ -202,11 +202,11 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     checkpoint tensor loads its slice. ``enable_expert_parallel``: an MoE model's ranks split its experts by id
     (ignored by a model without experts, and on one rank). ``quantization``: "fp8" quantises an unquantised
     checkpoint's linear weights at load; a checkpoint's own ``quantization_config`` is read in any case
-    (turnout/quant).
+    (turnout/quant). ``model_impl``: auto | native | transformers (turnout/models/registry.py resolve_model_class).
     """
     from transformers import PretrainedConfig
 
-    from turnout.models.registry import get_model_class
+    from turnout.models.registry import resolve_model_class
 
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, gguf, dummy)")
@@ -237,7 +237,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         progress.done()
         hf_config = model if src is None else _load_config(src)
         progress.done()
-        cls = get_model_class(getattr(hf_config, "architectures", None))
+        cls = resolve_model_class(hf_config, model_impl)
         torch_dtype = resolve_dtype(dtype, hf_config, device)
         quant = _quant_methods(hf_config, quantization, ops)
         if quant:  # the linear layers and the experts create fp8 parameters (turnout/quant)
