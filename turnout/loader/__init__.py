@@ -19,7 +19,7 @@ from turnout.loader.source import ModelSource, default_model_path, resolve_sourc
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadedModel", "default_model_path", "load_model", "resolve_dtype"]
+__all__ = ["LoadedModel", "config_of", "default_model_path", "load_model", "resolve_dtype"]
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -83,6 +83,11 @@ def _load_config(src: ModelSource):
         name = type(config).__name__
         config.architectures = [name[: -len("Config")] + "ForCausalLM"] if name.endswith("Config") else None
     return config
+
+
+def config_of(model: str | None):
+    """The HF config of ``model`` (as ``load_model`` reads it: directory, .gguf file, Hub id), no weights read."""
+    return _load_config(resolve_source(model, config_only=True))
 
 
 def _load_tokenizer(src: ModelSource, tokenizer, reader=None):

@@ -32,7 +32,7 @@ from turnout.layers.attention import Attention
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.models.transformers_backend import support
 from turnout.models.transformers_backend.attention import IMPLEMENTATION, ProbeAttention, StepAttention, register
-from turnout.models.transformers_backend.checkpoint_names import checkpoint_renamer, renamed
+from turnout.models.transformers_backend.checkpoint_names import CheckpointNames, renamed
 from turnout.models.transformers_backend.build import materialize, parameters_on_meta, replace_linears, replace_norms
 from turnout.models.weight_map import load_weights
 
@@ -68,7 +68,7 @@ class TransformersForCausalLM(nn.Module):
             self.add_module(name, child)  # the checkpoint's names
         materialize(self, device)
         self._hf = (hf, base, getattr(hf, self.head.module))  # a tuple: not registered a second time
-        self._rename = checkpoint_renamer(hf)
+        self._names = CheckpointNames(hf)
         scale_kind, scale_attr, self._scale_op = self.head.scale or (None, None, None)
         self._scale = None if scale_kind is None else getattr(hf_config if scale_kind == "config" else hf, scale_attr)
         cap = getattr(hf_config.get_text_config(), self.head.softcap_attr, None) if self.head.softcap_attr else None
@@ -143,7 +143,8 @@ class TransformersForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (the checkpoint's names, old layout or transformers 5's) into the parameters."""
-        return load_weights(self, renamed(weights, self._rename, dict(self.named_parameters())))
+        return load_weights(self, renamed(weights, self._names, dict(self.named_parameters()),
+                                          dict(self.named_buffers())))
 
 
 def _arch(config) -> str:
