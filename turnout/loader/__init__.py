@@ -76,13 +76,33 @@ def _load_config(src: ModelSource):
     else:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(src.path))
+        try:
+            config = AutoConfig.from_pretrained(str(src.path))
+        except (ValueError, KeyError, OSError) as e:
+            _refuse_remote_code(src.path, e)
+            raise
     if not getattr(config, "architectures", None):
         # GGUF configs (and some hand-written ones) name only the model type; HF's causal-LM classes are
         # named after their config classes (LlamaConfig -> LlamaForCausalLM, Qwen3MoeConfig -> Qwen3MoeForCausalLM).
         name = type(config).__name__
         config.architectures = [name[: -len("Config")] + "ForCausalLM"] if name.endswith("Config") else None
     return config
+
+
+def _refuse_remote_code(path: Path, error: Exception) -> None:
+    """A ValueError saying so when transformers could not read a config because it needs the model repository's
+    own code (``auto_map``); turnout never runs a model's code (``trust_remote_code`` stays refused)."""
+    import json
+
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(raw, dict) and isinstance(raw.get("auto_map"), dict) and raw["auto_map"]:
+        raise ValueError(f"{path}: its config needs the model repository's own code (auto_map: "
+                         f"{', '.join(sorted(raw['auto_map']))}; model_type {raw.get('model_type')!r} is not one "
+                         "transformers knows), and turnout never runs a model's code (trust_remote_code stays "
+                         f"refused): neither a native class nor transformers' modeling code can run it") from error
 
 
 def config_of(model: str | None):
@@ -233,6 +253,10 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     try:
         reader = files = None
         total = 0
+        # A model directory's config is read and its class resolved before any checkpoint file is opened, so an
+        # architecture that cannot run is refused first (a GGUF file's config is in the file, checked first).
+        hf_config = model if src is None or src.kind == "gguf" else _load_config(src)
+        cls = None if hf_config is None else resolve_model_class(hf_config, model_impl)
         if src is not None:
             logger.info("loading %s from %s", src.origin, src.path)
             if load_format != "dummy":
@@ -240,9 +264,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
                 reader, files, total = _check_files(src)
         progress.doing("config", total=total + 3)
         progress.done()
-        hf_config = model if src is None else _load_config(src)
+        hf_config = _load_config(src) if hf_config is None else hf_config
         progress.done()
-        cls = resolve_model_class(hf_config, model_impl)
+        cls = resolve_model_class(hf_config, model_impl) if cls is None else cls
         torch_dtype = resolve_dtype(dtype, hf_config, device)
         quant = _quant_methods(hf_config, quantization, ops)
         if quant:  # the linear layers and the experts create fp8 parameters (turnout/quant)

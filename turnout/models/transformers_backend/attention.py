@@ -59,6 +59,9 @@ class ProbeAttention:
                  sinks=None, is_causal=None, position_bias=None):
         if is_causal is False or getattr(module, "is_causal", True) is False:
             self.refusals.append("its attention is bidirectional (is_causal is False); turnout's attention is causal")
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.is_floating_point():
+            self.refusals.append("its attention adds a mask the model computes itself (a learned or positional "
+                                 "bias), which turnout's attention kernels do not take")
         if position_bias is not None:
             self.refusals.append("its attention adds a position bias, which turnout's attention kernels do not take")
         if getattr(module, "is_cross_attention", False):

@@ -139,8 +139,6 @@ def config_reason(config) -> str | None:
     """Why a config cannot run through the backend whatever its class; None when nothing in it says so."""
     if getattr(config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model"
-    if getattr(config, "is_decoder", None) is False:
-        return "it is an encoder (is_decoder is false: its attention is bidirectional); turnout's attention is causal"
     types = getattr(config, "layer_types", None)
     if isinstance(types, (list, tuple)):
         other = sorted({str(t) for t in types} - set(ATTENTION_LAYER_TYPES))
