@@ -70,15 +70,42 @@ def _model_choice(model: str, model_impl: str) -> dict:
             "implementation": "native" if native else "transformers", "class": cls.__name__, "reason": None}
 
 
-def _markdown(rows: list[dict]) -> str:
+def _markdown(rows: list[dict], checks: dict | None = None) -> str:
+    """The table; with ``checks`` ((architecture, impl) -> CheckResult) a column of the conformance results."""
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
     out = [f"{len(rows)} causal-LM architectures of transformers: {counts['native']} native, "
-           f"{counts['transformers']} through transformers' modeling code, {counts['refused']} refused.", "",
-           "| model_type | architecture | runs here | why not through transformers |", "|---|---|---|---|"]
+           f"{counts['transformers']} through transformers' modeling code, {counts['refused']} refused.", ""]
+    head = "| model_type | architecture | runs here | why not through transformers |"
+    out += [head + (" check (native / transformers) |" if checks is not None else ""),
+            "|---|---|---|---|" + ("---|" if checks is not None else "")]
     for r in rows:
-        why = (r["reason"] or "").replace("|", "\\|")
-        out.append(f"| {r['model_type']} | {r['architecture']} | {r['status']} | {why} |")
+        status, why = r["status"], r["reason"] or ""
+        res = (checks or {}).get((r["model_type"], "transformers"))
+        if res is not None and not res.ok:  # the build or the comparison found what the class alone did not say
+            status = "refused" if status == "transformers" and res.error else status
+            why = _check_reason(res)
+        why = why.replace("|", "\\|").replace("\n", " ")
+        line = f"| {r['model_type']} | {r['architecture']} | {status} | {why} |"
+        if checks is not None:
+            cells = []
+            for impl in ("native", "transformers"):
+                res = checks.get((r["model_type"], impl))
+                if res is not None:
+                    cells.append(f"{impl}: {'passed' if res.ok else 'failed'}")
+            line += f" {'; '.join(cells)} |"
+        out.append(line)
     return "\n".join(out)
+
+
+def _check_reason(res) -> str:
+    """A failed check in a table cell: the refusal without its preamble, or what differed."""
+    if res.error:
+        text = res.error.split("cannot run through transformers' modeling code: ", 1)[-1]
+        return text.removeprefix("ValueError: ")[:200]
+    what = [] if res.greedy_equal else ["greedy tokens differ from transformers'"]
+    if res.max_logit_diff is not None and res.max_logit_diff > 1e-4:
+        what.append(f"logits differ by {res.max_logit_diff:.1e}")
+    return "the check fails: " + ", ".join(what)
 
 
 def run(args) -> int:
@@ -116,13 +143,15 @@ def _check(rows: list[dict], args) -> int:
         for impl in impls:
             res = check_architecture(r["model_type"], impl, device=args.device)
             results.append(res)
-            if not args.json:
+            if not (args.json or args.markdown):
                 detail = res.error or (f"greedy {'equal' if res.greedy_equal else 'DIFFERENT'}, logits max diff "
                                        f"{res.max_logit_diff:.2e}")
                 print(f"{'ok  ' if res.ok else 'FAIL'} {r['architecture']:<32} {impl:<12} {res.seconds:5.1f}s  {detail}",
                       flush=True)
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=2))
+    elif args.markdown:
+        print(_markdown(rows, {(r.model_type, r.model_impl): r for r in results}))
     else:
         print(f"{sum(r.ok for r in results)} of {len(results)} passed", file=sys.stderr)
     return 0 if all(r.ok for r in results) else 1

@@ -64,10 +64,12 @@ def resolve_model_class(hf_config, model_impl: str = "auto"):
                          f"{', '.join(supported_architectures())}); model_impl 'auto' or 'transformers' runs it through "
                          "transformers' modeling code where its class supports the attention interface")
     from turnout.models.transformers_backend import unsupported_reason
+    from turnout.models.transformers_backend.support import causal_lm_class
 
     why = unsupported_reason(hf_config)
     if why is not None:
-        name = archs or getattr(hf_config, "model_type", None)
+        hf_cls = None if archs else causal_lm_class(hf_config)
+        name = archs or (hf_cls.__name__ if hf_cls is not None else getattr(hf_config, "model_type", None))
         native_note = "" if model_impl == "transformers" else "turnout has no native class for it, and "
         raise ValueError(f"unsupported model architecture {name!r}: {native_note}transformers' modeling code cannot "
                          f"run here: {why}")

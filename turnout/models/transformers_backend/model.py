@@ -95,6 +95,10 @@ class TransformersForCausalLM(nn.Module):
             try:
                 base(input_ids=ids, position_ids=pos, use_cache=False, turnout_step=probe)
             except Exception as e:  # noqa: BLE001 - whatever the modeling code raises: the model cannot run here
+                if "without turnout_step" in str(e):
+                    raise ValueError(f"architecture {_arch(self.config)}: cannot run through transformers' modeling "
+                                     "code: its layers do not pass the model's keyword arguments down to attention, so "
+                                     "turnout's step cannot reach it") from None
                 raise ValueError(f"architecture {_arch(self.config)}: transformers' modeling code failed on a probe "
                                  f"forward through turnout's attention ({type(e).__name__}: {e})") from None
         layers = getattr(self.config.get_text_config(), "num_hidden_layers", None)

@@ -8,7 +8,8 @@ import torch
 import transformers
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2)
 
 # What a model type's config needs beyond COMMON (names it spells its own way, features worth exercising).
 OVERRIDES = {
