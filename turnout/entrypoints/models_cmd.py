@@ -143,11 +143,10 @@ def _check(rows: list[dict], args) -> int:
         for impl in impls:
             res = check_architecture(r["model_type"], impl, device=args.device)
             results.append(res)
-            if not (args.json or args.markdown):
-                detail = res.error or (f"greedy {'equal' if res.greedy_equal else 'DIFFERENT'}, logits max diff "
-                                       f"{res.max_logit_diff:.2e}")
-                print(f"{'ok  ' if res.ok else 'FAIL'} {r['architecture']:<32} {impl:<12} {res.seconds:5.1f}s  {detail}",
-                      flush=True)
+            detail = res.error or (f"greedy {'equal' if res.greedy_equal else 'DIFFERENT'}, logits max diff "
+                                   f"{res.max_logit_diff:.2e}")
+            print(f"{'ok  ' if res.ok else 'FAIL'} {r['architecture']:<32} {impl:<12} {res.seconds:5.1f}s  {detail}",
+                  file=sys.stderr if args.json or args.markdown else sys.stdout, flush=True)
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=2))
     elif args.markdown:

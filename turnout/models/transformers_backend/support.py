@@ -72,7 +72,9 @@ def causal_lm_class(config):
     return transformers_class(name)
 
 
-_SLICE = re.compile(r"^(slice_indices = .*|hidden_states = slice_logits_to_keep\(hidden_states, logits_to_keep\)|"
+_SLICE = re.compile(r"^(slice_indices = .*|"
+                    r"hidden_states = slice_logits_to_keep\((hidden_states|\w+\.last_hidden_state|\w+\[0\]), "
+                    r"logits_to_keep\)|"
                     r"hidden_states = \w+\.last_hidden_state|hidden_states = \w+\[0\]|"
                     r"hidden_states = \w+\.last_hidden_state\[:, slice_indices, :\])$")
 _PROJECT = re.compile(r"^logits = self\.(\w+)\(hidden_states(\[:, slice_indices, :\])?\)"

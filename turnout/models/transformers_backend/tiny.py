@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
               bos_token_id=1, eos_token_id=2)
 
@@ -43,10 +43,20 @@ def randomise(hf_model, seed: int) -> None:
             p.copy_((1.0 + noise) if "norm" in name and p.dim() == 1 else noise)
 
 
+MAX_PARAMS = 20_000_000  # a config whose sizes live in a sub-config COMMON does not reach is not tiny
+
+
 def save_tiny(model_type: str, path, seed: int = 0, **extra):
-    """The HF model of ``model_type`` (randomised, float32, eval) saved as a checkpoint under ``path``."""
+    """The HF model of ``model_type`` (randomised, float32, eval) saved as a checkpoint under ``path``. A ValueError
+    when the config COMMON makes is not tiny (its sizes in a sub-config): counted on the meta device first."""
+    config = tiny_config(model_type, **extra)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"{model_type}: the tiny config still has {n / 1e6:.0f}M parameters (its sizes are in a "
+                         "sub-config): not checked")
     torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **extra), dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomise(hf, seed)
     hf.save_pretrained(path)
     return hf
