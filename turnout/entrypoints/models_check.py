@@ -25,6 +25,7 @@ class CheckResult:
     max_logit_diff: float | None = None
     seconds: float = 0.0
     error: str | None = None
+    reference_error: bool = False  # the error came from making HF's own tiny model: nothing of turnout's was checked
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -68,9 +69,13 @@ def check_architecture(model_type: str, model_impl: str, device: str = "auto", t
     res = CheckResult(model_type, "?", model_impl, ok=False)
     try:
         with tempfile.TemporaryDirectory(prefix=f"turnout-check-{model_type}-") as d:
-            hf = save_tiny(model_type, d)
-            res.architecture = type(hf).__name__
-            refs = [hf_greedy(hf, p, tokens) for p in PROMPTS]
+            try:
+                hf = save_tiny(model_type, d)
+                res.architecture = type(hf).__name__
+                refs = [hf_greedy(hf, p, tokens) for p in PROMPTS]
+            except Exception:
+                res.reference_error = True
+                raise
             platform = detect_platform(device)
             ops = resolve(platform, Policy.from_sources(None, platform=platform))
             dev = platform.device(0 if platform.is_gpu else None)

@@ -6,7 +6,8 @@ matches one, then the parameters made real on the engine's device.
   on the real device as the modeling code makes them: they come from the config, not the checkpoint.
 - ``replace_linears``: every ``nn.Linear`` of the base model becomes a turnout linear layer (the op table's
   projections, fp8 quantisation, tensor parallelism): column- or row-parallel where the config's
-  ``base_model_tp_plan`` says ``colwise`` / ``rowwise``, whole on every rank otherwise.
+  ``base_model_tp_plan`` says ``colwise`` / ``rowwise``, whole on every rank otherwise (experts, routers and the
+  layers a plan gathers again stay whole: each rank computes them in full).
 - ``replace_norms``: an RMSNorm class whose output equals turnout's ``rms_norm`` op (weight w or 1 + w) on a
   random probe becomes ``turnout.layers.norm.RMSNorm``; the check is numerical, so a norm that computes
   anything else stays transformers code.
@@ -26,6 +27,9 @@ from turnout.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowPar
 from turnout.layers.norm import RMSNorm
 
 SHARDED_STYLES = {"colwise": ColumnParallelLinear, "rowwise": RowParallelLinear}
+# Styles whose layer's output is whole on every rank (a column split gathered again, a row split of a whole input
+# reduced again): the same values as the whole layer on every rank, which is what they become here.
+WHOLE_STYLES = ("colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
 
 
 @contextlib.contextmanager
@@ -61,10 +65,10 @@ def replace_linears(base: nn.Module, ops, plan, tp, tp_plan: dict | None) -> dic
                 continue
             full = f"{name}.{child_name}" if name else child_name
             style = next((s for p, s in patterns if p.match(full)), None)
-            if tp.size > 1 and style is not None and style not in SHARDED_STYLES:
+            if tp.size > 1 and style is not None and style not in SHARDED_STYLES and style not in WHOLE_STYLES:
                 raise ValueError(f"tensor_parallel_size {tp.size}: {full} has tensor-parallel style {style!r} in the "
                                  "config's base_model_tp_plan; the transformers backend splits colwise / rowwise "
-                                 "layers only")
+                                 f"layers and keeps {', '.join(WHOLE_STYLES)} whole")
             cls = SHARDED_STYLES.get(style, ReplicatedLinear) if tp.size > 1 else ColumnParallelLinear
             layer = cls(child.in_features, child.out_features, child.bias is not None, tp=tp, ops=ops, plan=plan)
             layer.in_features, layer.out_features = child.in_features, child.out_features  # read by some modules

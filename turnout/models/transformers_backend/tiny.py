@@ -9,7 +9,10 @@ import transformers
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
-              bos_token_id=1, eos_token_id=2)
+              bos_token_id=1, eos_token_id=2,
+              # MoE sizes under the names the families give them (a name a config does not have is just set on it)
+              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+              shared_expert_intermediate_size=64)
 
 # What a model type's config needs beyond COMMON (names it spells its own way, features worth exercising).
 OVERRIDES = {
