@@ -48,13 +48,18 @@ def causal_lm_architectures() -> list[tuple[str, str]]:
     return out
 
 
+IMPORT_ERRORS: dict[str, str] = {}  # class name -> why this transformers could not import it (said in refusals)
+
+
 def transformers_class(name: str):
-    """The transformers class called ``name``, or None (not in this transformers, or fails to import)."""
+    """The transformers class called ``name``, or None (not in this transformers, or it fails to import: the
+    reason is kept in ``IMPORT_ERRORS``)."""
     import transformers
 
     try:
         return getattr(transformers, name)
-    except (AttributeError, ImportError, RuntimeError):
+    except (AttributeError, ImportError, RuntimeError) as e:
+        IMPORT_ERRORS[name] = f"{type(e).__name__}: {e}"
         return None
 
 
@@ -156,6 +161,9 @@ def unsupported_reason(config) -> str | None:
     cls = causal_lm_class(config)
     if cls is None:
         archs = getattr(config, "architectures", None)
+        failed = [f"{n}: {IMPORT_ERRORS[n]}" for n in archs or [] if n in IMPORT_ERRORS]
+        if failed:
+            return f"this transformers cannot import its class ({failed[0][:300]})"
         if getattr(config, "auto_map", None):
             return (f"it needs the model repository's own code (auto_map; architectures {archs}), and turnout never "
                     "runs a model's code (--trust-remote-code stays refused)")
