@@ -255,7 +255,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         total = 0
         # A model directory's config is read and its class resolved before any checkpoint file is opened, so an
         # architecture that cannot run is refused first (a GGUF file's config is in the file, checked first).
-        hf_config = model if src is None or src.kind == "gguf" else _load_config(src)
+        hf_config = model if src is None else None if src.kind == "gguf" else _load_config(src)
         cls = None if hf_config is None else resolve_model_class(hf_config, model_impl)
         if src is not None:
             logger.info("loading %s from %s", src.origin, src.path)

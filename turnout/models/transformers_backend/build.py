@@ -116,7 +116,7 @@ def replace_norms(base: nn.Module, ops) -> int:
     """RMSNorm modules equal to turnout's op -> ``turnout.layers.norm.RMSNorm`` (see the module docstring)."""
     kinds: dict[tuple, bool | None] = {}
     n = 0
-    for name, module in list(base.named_modules()):
+    for module in list(base.modules()):
         for child_name, child in list(module.named_children()):
             if "RMSNorm" not in type(child).__name__:
                 continue

@@ -32,8 +32,8 @@ from turnout.layers.attention import Attention
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.models.transformers_backend import support
 from turnout.models.transformers_backend.attention import IMPLEMENTATION, ProbeAttention, StepAttention, register
-from turnout.models.transformers_backend.checkpoint_names import CheckpointNames, renamed
 from turnout.models.transformers_backend.build import materialize, parameters_on_meta, replace_linears, replace_norms
+from turnout.models.transformers_backend.checkpoint_names import CheckpointNames, renamed
 from turnout.models.weight_map import load_weights
 
 logger = logging.getLogger(__name__)
