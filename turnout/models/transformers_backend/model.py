@@ -45,6 +45,7 @@ class TransformersForCausalLM(nn.Module):
     """A transformers causal LM behind turnout's model contract (turnout/models/decoder.py's)."""
 
     supports_tensor_parallel = True
+    no_cuda_graphs: str | None = None  # why decode CUDA graphs cannot capture this model (the runner then runs eagerly)
 
     def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE):
         super().__init__()
@@ -86,12 +87,15 @@ class TransformersForCausalLM(nn.Module):
                         ", ".join(self.transformers_modules()))
 
     def _probe(self, base: nn.Module, device: torch.device) -> None:
-        probe = ProbeAttention()
         ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
         pos = torch.arange(PROBE_TOKENS, device=device)[None]
         with torch.no_grad():
             for p in self.parameters():
                 p.zero_()  # the probe's values must be finite; the weights are loaded afterwards
+            if device.type == "cuda":  # a forward that waits for the host cannot be captured in a CUDA graph
+                self.no_cuda_graphs = _host_sync(lambda: base(input_ids=ids, position_ids=pos, use_cache=False,
+                                                              turnout_step=ProbeAttention()))
+            probe = ProbeAttention()
             try:
                 base(input_ids=ids, position_ids=pos, use_cache=False, turnout_step=probe)
             except Exception as e:  # noqa: BLE001 - whatever the modeling code raises: the model cannot run here
@@ -149,6 +153,22 @@ class TransformersForCausalLM(nn.Module):
         """Checkpoint tensors (the checkpoint's names, old layout or transformers 5's) into the parameters."""
         return load_weights(self, renamed(weights, self._names, dict(self.named_parameters()),
                                           dict(self.named_buffers())))
+
+
+def _host_sync(forward) -> str | None:
+    """Why ``forward`` cannot be captured in a CUDA graph: the first host synchronisation it makes (torch's sync
+    debug mode raises there), or None."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward()
+    except RuntimeError as e:
+        if "synchroniz" in str(e):
+            return f"its forward synchronises with the host ({str(e).splitlines()[0][:120]})"
+        return None  # any other failure: the probe forward that follows reports it
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return None
 
 
 def _arch(config) -> str:
