@@ -94,3 +94,15 @@ def test_weight_update_by_checkpoint_and_transformers_names(tmp_path):
 
     after, _ = _greedy(llm, PROMPTS[:1], 8)
     assert after[0] == hf_greedy(hf, PROMPTS[0], 8)[0]
+
+
+def test_fp8_quantization_applies_through_the_backend(tmp_path):
+    """--quantization fp8 quantises the backend's linear layers (turnout's) as it does the native ones."""
+    save_tiny("llama", tmp_path)
+    kw = dict(model=str(tmp_path), dtype="float32", kv_cache_memory=4 << 20, quantization="fp8")
+    native, _ = _greedy(LLM(**kw), PROMPTS, 8)
+    llm = LLM(**kw, model_impl="transformers")
+    model = llm.engine.executor.worker.runner.model
+    assert any(p.dtype == torch.float8_e4m3fn for n, p in model.named_parameters() if "q_proj" in n)
+    got, _ = _greedy(llm, PROMPTS, 8)
+    assert got == native
