@@ -72,12 +72,11 @@ def _model_choice(model: str, model_impl: str) -> dict:
 
 def _markdown(rows: list[dict], checks: dict | None = None) -> str:
     """The table; with ``checks`` ((architecture, impl) -> CheckResult) a column of the conformance results."""
-    counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
-    out = [f"{len(rows)} causal-LM architectures of transformers: {counts['native']} native, "
-           f"{counts['transformers']} through transformers' modeling code, {counts['refused']} refused.", ""]
     head = "| model_type | architecture | runs here | why not through transformers |"
-    out += [head + (" check (native / transformers) |" if checks is not None else ""),
-            "|---|---|---|---|" + ("---|" if checks is not None else "")]
+    out = [head + (" check (native / transformers) |" if checks is not None else ""),
+           "|---|---|---|---|" + ("---|" if checks is not None else "")]
+    counts = dict.fromkeys(STATUSES, 0)
+    passed = 0
     for r in rows:
         status, why = r["status"], r["reason"] or ""
         res = (checks or {}).get((r["model_type"], "transformers"))
@@ -88,6 +87,8 @@ def _markdown(rows: list[dict], checks: dict | None = None) -> str:
                 status = "refused" if status == "transformers" and res.error else status
                 why = _check_reason(res)
         why = why.replace("|", "\\|").replace("\n", " ")
+        counts[status] += 1
+        passed += bool(res is not None and res.ok)
         line = f"| {r['model_type']} | {r['architecture']} | {status} | {why} |"
         if checks is not None:
             cells = []
@@ -98,7 +99,10 @@ def _markdown(rows: list[dict], checks: dict | None = None) -> str:
                                                 "failed"))
             line += f" {'; '.join(cells)} |"
         out.append(line)
-    return "\n".join(out)
+    checked = f"; {passed} pass the check through transformers" if checks is not None else ""
+    title = (f"{len(rows)} causal-LM architectures of transformers: {counts['native']} native, "
+             f"{counts['transformers']} through transformers' modeling code, {counts['refused']} refused{checked}.")
+    return "\n".join([title, "", *out])
 
 
 def _check_reason(res) -> str:
