@@ -119,6 +119,14 @@ class EngineConfig:
         "auto", "the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 with per-layer k/v scales, 1.0 "
         "or the checkpoint's: half the bytes per token, twice the tokens held; turnout/ops/kv_cache.py)",
         choices=("auto", "fp8"))
+    # Which code runs the model (turnout/models/registry.py resolve_model_class): turnout's own class, or
+    # transformers' modeling code with turnout's paged attention and kernels (turnout/models/transformers_backend).
+    model_impl: str = option(
+        "auto", "which implementation runs the model: native (turnout's own class), transformers (transformers' "
+        "modeling code with turnout's paged attention, KV cache and kernels) or auto (native where turnout has "
+        "the architecture, else transformers where its class supports the attention interface); `turnout "
+        "models` lists which applies to each architecture", choices=("auto", "native", "transformers"),
+        group="model")
 
     def __post_init__(self):
         def bad(field, why):
@@ -199,6 +207,8 @@ class EngineConfig:
             bad("batch_invariant", "not with quantization (the quantised GEMMs have no batch-invariant kernel)")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             bad("load_format", f"unknown load format {self.load_format!r} (auto, safetensors, gguf, dummy)")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            bad("model_impl", f"unknown implementation {self.model_impl!r} (auto, native, transformers)")
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))

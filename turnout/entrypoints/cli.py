@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "serve": ("turnout.entrypoints.openai.serve_cmd", "run the OpenAI-compatible server"),
     "bench": ("turnout.entrypoints.bench_cmd", "latency / throughput benchmarks"),
     "ops": ("turnout.entrypoints.ops_cmd", "show (and check) the op dispatch table of this machine"),
+    "models": ("turnout.entrypoints.models_cmd", "the architectures and how each runs here (and --check them)"),
 }
 
 

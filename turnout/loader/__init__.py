@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from turnout.loader.hf_config import config_of, load_config
 from turnout.loader.source import ModelSource, default_model_path, resolve_source
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadedModel", "default_model_path", "load_model", "resolve_dtype"]
+__all__ = ["LoadedModel", "config_of", "default_model_path", "load_model", "resolve_dtype"]
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -66,31 +67,6 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(old)
-
-
-def _load_config(src: ModelSource):
-    if src.kind == "gguf":
-        from turnout.loader import gguf
-
-        config = gguf.load_config(src.path)
-    else:
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(str(src.path))
-        except Exception as e:
-            # transformers 5's strict configs validate their fields (huggingface_hub's StrictDataclassError, not a
-            # ValueError): the caller's mistake, said as one, with the validator's words (they name the field)
-            if type(e).__name__.startswith("StrictDataclass"):
-                cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
-                raise ValueError(f"{src.path}: config.json: {e}{cause}") from None
-            raise
-    if not getattr(config, "architectures", None):
-        # GGUF configs (and some hand-written ones) name only the model type; HF's causal-LM classes are
-        # named after their config classes (LlamaConfig -> LlamaForCausalLM, Qwen3MoeConfig -> Qwen3MoeForCausalLM).
-        name = type(config).__name__
-        config.architectures = [name[: -len("Config")] + "ForCausalLM"] if name.endswith("Config") else None
-    return config
 
 
 def _load_tokenizer(src: ModelSource, tokenizer, reader=None):
@@ -198,7 +174,7 @@ def _quant_methods(hf_config, quantization, ops) -> dict:
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str | torch.dtype = "auto",
                device: torch.device | str = "cpu", ops, seed: int = 0, tokenizer=None, plan=None,
                tp=None, enable_expert_parallel: bool = False,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, model_impl: str = "auto") -> LoadedModel:
     """Build the model for ``model`` on ``device`` with weights from its checkpoint.
 
     ``load_format``: "auto" (by what ``model`` is), "safetensors", "gguf", or "dummy" (random weights
@@ -210,11 +186,11 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     checkpoint tensor loads its slice. ``enable_expert_parallel``: an MoE model's ranks split its experts by id
     (ignored by a model without experts, and on one rank). ``quantization``: "fp8" quantises an unquantised
     checkpoint's linear weights at load; a checkpoint's own ``quantization_config`` is read in any case
-    (turnout/quant).
+    (turnout/quant). ``model_impl``: auto | native | transformers (turnout/models/registry.py resolve_model_class).
     """
     from transformers import PretrainedConfig
 
-    from turnout.models.registry import get_model_class
+    from turnout.models.registry import resolve_model_class
 
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, gguf, dummy)")
@@ -236,6 +212,10 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     try:
         reader = files = None
         total = 0
+        # A model directory's config is read and its class resolved before any checkpoint file is opened, so an
+        # architecture that cannot run is refused first (a GGUF file's config is in the file, checked first).
+        hf_config = model if src is None else None if src.kind == "gguf" else load_config(src)
+        cls = None if hf_config is None else resolve_model_class(hf_config, model_impl)
         if src is not None:
             logger.info("loading %s from %s", src.origin, src.path)
             if load_format != "dummy":
@@ -243,9 +223,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
                 reader, files, total = _check_files(src)
         progress.doing("config", total=total + 3)
         progress.done()
-        hf_config = model if src is None else _load_config(src)
+        hf_config = load_config(src) if hf_config is None else hf_config
         progress.done()
-        cls = get_model_class(getattr(hf_config, "architectures", None))
+        cls = resolve_model_class(hf_config, model_impl) if cls is None else cls
         torch_dtype = resolve_dtype(dtype, hf_config, device)
         quant = _quant_methods(hf_config, quantization, ops)
         if quant:  # the linear layers and the experts create fp8 parameters (turnout/quant)

@@ -40,3 +40,46 @@ def get_model_class(architectures: list[str] | None):
             return getattr(importlib.import_module(f"turnout.models.{module}"), cls)
     raise ValueError(f"unsupported model architecture {architectures!r}; turnout supports: "
                      f"{', '.join(supported_architectures())}")
+
+
+MODEL_IMPLS = ("auto", "native", "transformers")
+
+
+def native_architecture(architectures: list[str] | None) -> str | None:
+    """The first of ``architectures`` turnout has a native class for, or None."""
+    return next((a for a in architectures or [] if a in MODELS), None)
+
+
+def resolve_model_class(hf_config, model_impl: str = "auto"):
+    """The class that runs ``hf_config`` under ``model_impl`` (EngineConfig.model_impl), decided from the config
+    alone, before any weight is read:
+
+    - ``native``: turnout's own class (a ValueError when it has none);
+    - ``transformers``: transformers' modeling code with turnout's attention and kernels
+      (turnout/models/transformers_backend), where that class supports the attention interface;
+    - ``auto``: native when there is a native class, else transformers.
+
+    A ValueError names the architecture and why it cannot run."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl: unknown implementation {model_impl!r} ({', '.join(MODEL_IMPLS)})")
+    archs = getattr(hf_config, "architectures", None)
+    native = native_architecture(archs)
+    if model_impl != "transformers" and native is not None:
+        return get_model_class([native])
+    if model_impl == "native":
+        raise ValueError(f"model_impl='native': turnout has no native class for {archs!r} (native: "
+                         f"{', '.join(supported_architectures())}); model_impl 'auto' or 'transformers' runs it through "
+                         "transformers' modeling code where its class supports the attention interface")
+    from turnout.models.transformers_backend import unsupported_reason
+    from turnout.models.transformers_backend.support import causal_lm_class
+
+    why = unsupported_reason(hf_config)
+    if why is not None:
+        hf_cls = None if archs else causal_lm_class(hf_config)
+        name = archs or (hf_cls.__name__ if hf_cls is not None else getattr(hf_config, "model_type", None))
+        native_note = "" if model_impl == "transformers" else "turnout has no native class for it, and "
+        raise ValueError(f"unsupported model architecture {name!r}: {native_note}transformers' modeling code cannot "
+                         f"run here: {why}")
+    from turnout.models.transformers_backend import TransformersForCausalLM
+
+    return TransformersForCausalLM

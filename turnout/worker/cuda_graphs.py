@@ -215,6 +215,9 @@ def maybe_capture(runner) -> DecodeGraphs | None:
     if not platform.supports_graphs() or runner.device.type != "cuda":
         logger.info("CUDA graphs: not supported on %s; running eagerly", platform.name)
         return None
+    if getattr(runner.model, "no_cuda_graphs", None):  # the model says why it cannot be captured
+        logger.info("CUDA graphs: off (%s); running eagerly", runner.model.no_cuda_graphs)
+        return None
     graphs = DecodeGraphs(runner.model, runner.kv_caches, config.max_num_seqs, runner.max_model_len,
                           runner.block_size, runner.device, upload_stream=runner._upload,
                           max_query_len=1 + getattr(config, "num_speculative_tokens", 0))

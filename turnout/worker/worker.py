@@ -72,7 +72,8 @@ class Worker:
                                  ops=self.ops, seed=config.seed, tokenizer=config.tokenizer,
                                  plan=plan_fusions(self.ops), tp=self.tp if world_size > 1 else None,
                                  enable_expert_parallel=config.enable_expert_parallel,
-                                 quantization=config.quantization)
+                                 quantization=config.quantization,
+                                 model_impl=getattr(config, "model_impl", "auto"))
         self.runner = None
         self._swap_gate = None  # swap-ins received for the next step (swap)
         if runner:
