@@ -31,6 +31,7 @@ OTHER = {
     "data_parallel_rank": (1, {"data_parallel_size": 2}), "enable_expert_parallel": (True, {}),
     "preemption_mode": ("swap", {}), "swap_space": (1.5, {}), "kv_offload_gb": (2.0, {}),
     "quantization": ("fp8", {}), "kv_cache_dtype": ("fp8", {}),
+    "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}', {}),
 }
 
 

@@ -119,6 +119,13 @@ class EngineConfig:
         "auto", "the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 with per-layer k/v scales, 1.0 "
         "or the checkpoint's: half the bytes per token, twice the tokens held; turnout/ops/kv_cache.py)",
         choices=("auto", "fp8"))
+    # Speculative decoding (turnout/speculative_config.py, turnout/engine/speculative.py): vLLM's dict, or its
+    # JSON text on the command line; it sets num_speculative_tokens (the graphs' query lengths) to its k.
+    speculative_config: str | dict | None = option(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+        "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b} or {\"model\": DRAFT, \"num_speculative_tokens\": k} "
+        "(a draft model with the target's tokenizer); greedy and seeded output are those without it",
+        metavar="JSON")
 
     def __post_init__(self):
         def bad(field, why):
@@ -199,6 +206,15 @@ class EngineConfig:
             bad("batch_invariant", "not with quantization (the quantised GEMMs have no batch-invariant kernel)")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             bad("load_format", f"unknown load format {self.load_format!r} (auto, safetensors, gguf, dummy)")
+        from turnout.speculative_config import parse_speculative_config
+
+        spec = parse_speculative_config(self.speculative_config)  # ValueError naming speculative_config.<field>
+        object.__setattr__(self, "speculative", spec)  # the parsed settings (not a field: the field keeps the input)
+        if spec is not None:
+            if self.num_speculative_tokens not in (0, spec.num_speculative_tokens):
+                bad("num_speculative_tokens", f"{self.num_speculative_tokens} differs from speculative_config's "
+                    f"{spec.num_speculative_tokens}: give it in one place")
+            object.__setattr__(self, "num_speculative_tokens", spec.num_speculative_tokens)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))

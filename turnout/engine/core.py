@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from turnout.engine.core_outputs import CoreOutput, SampledToken
-from turnout.engine.drafts import DraftProposer, propose
+from turnout.engine.drafts import DraftCounts, DraftProposer, propose
 from turnout.engine.scheduler import Scheduler
 from turnout.engine.scheduler_output import SchedulerOutput
 from turnout.engine.sequence import Sequence, SequenceStatus
@@ -74,8 +74,7 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.inputs = StepInputs(eos_ids)  # the step contract, and which requests the rank keeps
         self.proposer: DraftProposer | None = None  # drafts for multi-token steps (engine/drafts.py)
-        self.num_draft_tokens = 0
-        self.num_accepted_draft_tokens = 0
+        self.draft_counts = DraftCounts()
         self._inflight: _Step | None = None  # a launched lookahead step, read back by the next step()
         self._pending = CoreOutput()  # forks and failures since the last step() returned
         self.num_lookahead_steps = 0
@@ -270,8 +269,7 @@ class EngineCore:
             if entry.draft_token_ids:
                 i = at.get(entry.seq.seq_id)
                 kept = 0 if i is None else len(got.token_ids[i]) - 1
-                self.num_draft_tokens += len(entry.draft_token_ids)
-                self.num_accepted_draft_tokens += kept
+                self.draft_counts.add(len(entry.draft_token_ids), kept)
                 self.scheduler.accept_drafts(entry, kept)
         return sampled
 
