@@ -84,8 +84,9 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     if method == "ngram":
         if model is not None:
             raise _bad("model", "the ngram method uses no model")
+        lo = None if lo is None else _positive_int(lo, "prompt_lookup_min", 64)
+        hi = None if hi is None else _positive_int(hi, "prompt_lookup_max", 64)
         lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
-        lo, hi = _positive_int(lo, "prompt_lookup_min", 64), _positive_int(hi, "prompt_lookup_max", 64)
         if lo > hi:
             raise _bad("prompt_lookup_min", f"({lo}) must not exceed prompt_lookup_max ({hi})")
     else:

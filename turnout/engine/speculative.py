@@ -46,8 +46,15 @@ def draft_engine_config(config, spec):
         gpu_memory_utilization=config.gpu_memory_utilization * DRAFT_MEMORY_FRACTION)
 
 
-def check_draft_vocabulary(target_tokenizer, draft_tokenizer) -> None:
-    """A draft is useful, and its token ids mean the same text, only with the target's tokenizer."""
+def check_draft_vocabulary(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:
+    """A draft is useful, and its token ids mean the same text, only with the target's tokenizer (checkpoints
+    without one: the same vocabulary size)."""
+    if target_tokenizer is None or draft_tokenizer is None:
+        if (target_tokenizer is None) != (draft_tokenizer is None) or target_vocab != draft_vocab:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary ({draft_vocab} tokens, "
+                             f"{'no' if draft_tokenizer is None else 'a'} tokenizer) differs from the target's "
+                             f"({target_vocab} tokens, {'no' if target_tokenizer is None else 'a'} tokenizer)")
+        return
     t, d = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if t != d:
         diff = next((tok for tok in t if d.get(tok) != t[tok]), None) or next(tok for tok in d if tok not in t)
@@ -97,10 +104,16 @@ def build_draft_engine(config, engine_cls):
     spec = getattr(config, "speculative", None)
     if spec is None or spec.method != "draft_model":
         return None
+    from turnout.loader.source import check_model_exists
+
+    try:
+        check_model_exists(spec.model)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.{e}") from None
     return engine_cls(draft_engine_config(config, spec))
 
 
-def build_proposer(config, target_tokenizer, draft_engine=None):
+def build_proposer(config, target_tokenizer, target_vocab: int, draft_engine=None):
     """The DraftProposer ``config.speculative`` asks for (None: no speculation); ``draft_engine``: the draft
     model's engine (build_draft_engine), checked against the target's tokenizer here."""
     spec = getattr(config, "speculative", None)
@@ -109,5 +122,5 @@ def build_proposer(config, target_tokenizer, draft_engine=None):
     k, cap = spec.num_speculative_tokens, spec.disable_by_batch_size
     if spec.method == "ngram":
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_batch=cap)
-    check_draft_vocabulary(target_tokenizer, draft_engine.tokenizer)
+    check_draft_vocabulary(target_tokenizer, draft_engine.tokenizer, target_vocab, draft_engine.runner.vocab_size)
     return DraftModelProposer(draft_engine, k, max_batch=cap)
