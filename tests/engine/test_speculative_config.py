@@ -117,3 +117,35 @@ def test_ngram_copies_what_followed():
     assert prop.propose([seq]) == {0: [3, 4, 5]}
     seq.append_token(8)  # "1 2 8" never occurred, nor "2 8", nor "8"
     assert prop.propose([seq]) == {}
+
+
+def test_counters_reach_metrics_and_bench_json():
+    """EngineStats' draft counters -> /metrics' spec_decode families and `turnout bench`'s JSON."""
+    from prometheus_client.core import CounterMetricFamily
+
+    from turnout.engine.core_outputs import EngineStats
+    from turnout.engine.drafts import DraftCounts
+    from turnout.entrypoints.bench_cmd import speculative_report
+    from turnout.entrypoints.openai.metrics import _speculative_metrics
+
+    counts = DraftCounts()
+    for drafted, kept in ((3, 3), (3, 1), (2, 0)):
+        counts.add(drafted, kept)
+    s = EngineStats(**counts.stats())
+    assert (s.num_drafts_total, s.draft_tokens_total, s.accepted_draft_tokens_total) == (3, 8, 4)
+    assert s.draft_tokens_per_position == [3, 3, 2] and s.accepted_draft_tokens_per_position == [2, 1, 1]
+    assert s.mean_accepted_length == 1 + 4 / 3 and s.draft_acceptance_per_position == [2 / 3, 1 / 3, 1 / 2]
+
+    def counter(name, doc, value):
+        m = CounterMetricFamily(name, doc)
+        m.add_metric([], value)
+        return m
+
+    fams = {m.name: m for m in _speculative_metrics(s, counter)}
+    assert fams["turnout_spec_decode_num_accepted_tokens"].samples[0].value == 4
+    per = fams["turnout_spec_decode_num_accepted_tokens_per_pos"].samples
+    assert [(x.labels["position"], x.value) for x in per] == [("0", 2), ("1", 1), ("2", 1)]
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    rep = speculative_report(config, s)
+    assert rep["method"] == "ngram" and rep["num_accepted_tokens"] == 4 and rep["mean_accepted_length"] == 1 + 4 / 3
+    assert speculative_report(EngineConfig(), s) is None
