@@ -158,7 +158,8 @@ def test_counters(llm, tiny):
 
 
 def test_the_model_as_its_own_draft(tiny):
-    """The draft-model method with the target's own checkpoint: greedy output identical, every draft accepted."""
+    """The draft-model method with the target's own checkpoint: greedy and sampled output identical, every draft
+    accepted."""
     path, _, prompt = tiny
     llm = LLM(path, kv_cache_memory=16 << 20, async_scheduling=False,
               speculative_config={"model": path, "num_speculative_tokens": 4})
@@ -169,8 +170,11 @@ def test_the_model_as_its_own_draft(tiny):
     assert _summary(got) == _summary(want)
     assert drafted > 0 and accepted == drafted
     assert llm.get_stats().mean_accepted_length > 4.0  # 5 but where max_tokens cut the last drafts
-    sp = SamplingParams(temperature=0.8, seed=1, max_tokens=30, ignore_eos=True)
-    want, _, _ = _run(llm, prompts, _off(sp))
-    got, drafted, accepted = _run(llm, prompts, sp)
-    assert _summary(got) == _summary(want) and accepted > 0
+    # sampled: the draft draws with the target's seed and output steps, so the same noise: every draft kept
+    for sp in (SamplingParams(temperature=0.8, seed=1, max_tokens=30, ignore_eos=True),
+               SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=2, max_tokens=30, ignore_eos=True,
+                              repetition_penalty=1.1)):
+        want, _, _ = _run(llm, prompts, _off(sp))
+        got, drafted, accepted = _run(llm, prompts, sp)
+        assert _summary(got) == _summary(want) and drafted > 0 and accepted == drafted, (accepted, drafted)
     llm.shutdown()

@@ -5,14 +5,18 @@ Exactness does not rest on the proposer. The rank verifies a step's k drafts in 
 draws all k + 1 positions, each with the request's seed and its own output step (worker/step.py), and keeps
 a draft only where its own draw equals it. Each kept token is therefore the very token a one-token step
 would have drawn there: greedy output, and seeded sampled output, are identical to decoding without drafts,
-whatever was proposed. This is rejection sampling for a draft distribution q that is a point mass (the
-n-gram's and the greedy draft's): the draft d is accepted with probability p(d) = min(1, p(d) / q(d)), and on
-rejection the token drawn is distributed as p restricted to tokens other than d, which is the renormalised
-max(p - q, 0). Stop strings, max_tokens, min_tokens, penalties and logprobs are applied per drawn position
+whatever was proposed, even drafts drawn with the same noise (below): every kept token is a deterministic
+function of its prefix and of (seed, step), as in one-token decoding. For a draft distribution q that is a
+point mass (the n-gram's) this is rejection sampling: the draft d is accepted with probability
+p(d) = min(1, p(d) / q(d)), and on rejection the token drawn is distributed as p restricted to tokens other
+than d, the renormalised max(p - q, 0). Stop strings, max_tokens, min_tokens, penalties and logprobs are applied per drawn position
 (worker/step_sampling.py, engine/output_processor.py), as k + 1 one-token steps would apply them.
 
 The draft model is a second engine of the draft checkpoint, in this process, with its own weights, KV cache
-and CUDA graphs. Each step it continues every draftable sequence greedily by k tokens: its prompt is the
+and CUDA graphs. Each step it continues every draftable sequence by k tokens, drawn with the request's
+temperature, truncation, penalties, seed and output steps: the sampler's noise is a hash of (seed, step,
+token), so the draft's draws and the target's are coupled (Gumbel-max with shared noise), and a draft close
+to the target proposes what the target will draw, sampled as well as greedy. Its prompt is the
 sequence's tokens so far, so its prefix cache holds the blocks of the previous step's call and the call
 computes only the tokens appended since (the accepted ones and the last partial block), then k - 1 decode
 steps. Its own block tables follow the target's tokens with no bookkeeping to keep in step: the prefix cache's
@@ -64,7 +68,7 @@ def check_draft_vocabulary(target_tokenizer, draft_tokenizer, target_vocab: int,
 
 
 class DraftModelProposer:
-    """A DraftProposer (engine/drafts.py): the draft engine's greedy continuation of each sequence, k tokens."""
+    """A DraftProposer (engine/drafts.py): the draft engine's continuation of each sequence, k tokens."""
 
     def __init__(self, engine, k: int, max_batch: int | None = None):
         self.engine, self.k, self.max_batch = engine, k, max_batch
@@ -79,11 +83,15 @@ class DraftModelProposer:
             if room < 1:  # past the draft's context: this sequence decodes without drafts
                 continue
             rid = f"draft-{self._calls}-{seq.seq_id}"
-            params = SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True, skip_special_tokens=False)
             try:
-                eng.add_request(rid, list(seq.token_ids), params)
+                eng.add_request(rid, list(seq.token_ids), _draft_params(seq.params, room, seq.seed))
             except ValueError:  # the draft cannot take it (its own limits): no drafts, never an error
                 continue
+            queued = eng.scheduler.waiting[-1]
+            if queued.request_id == rid:
+                # the target's outputs count as the draft's: its draws then use the target's output steps, so
+                # the same noise as the target's own draws at those positions
+                queued.num_prompt_tokens = seq.num_prompt_tokens
             asked[rid] = seq.seq_id
         out = {}
         try:
@@ -95,6 +103,19 @@ class DraftModelProposer:
             eng.abort_request(list(asked))
             raise
         return out
+
+
+def _draft_params(p: SamplingParams | None, room: int, seed: int) -> SamplingParams:
+    """The draft's sampling: the target request's temperature, truncation, penalties and seed, so that a draft
+    model close to the target draws what the target will (coupled by the sampler's noise, a hash of seed, step
+    and token: the target's own checkpoint as draft is accepted every time, sampled or greedy); ``room`` tokens,
+    no stops (a draft past a stop is cut by the target's own stop)."""
+    if p is None:
+        return SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True, skip_special_tokens=False)
+    return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=seed,
+                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                          repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, max_tokens=room,
+                          ignore_eos=True, skip_special_tokens=False)
 
 
 def build_draft_engine(config, engine_cls):
