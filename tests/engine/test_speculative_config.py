@@ -149,3 +149,12 @@ def test_counters_reach_metrics_and_bench_json():
     rep = speculative_report(config, s)
     assert rep["method"] == "ngram" and rep["num_accepted_tokens"] == 4 and rep["mean_accepted_length"] == 1 + 4 / 3
     assert speculative_report(EngineConfig(), s) is None
+
+
+def test_the_server_field_reaches_the_request():
+    from turnout.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from turnout.entrypoints.openai.serving import _sampling_params
+
+    for req, want in ((CompletionRequest(prompt="hi", speculative_decoding=False), False),
+                      (ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), True)):
+        assert _sampling_params(req, max_tokens=4, logprobs=None, rename={}).speculative_decoding is want
