@@ -178,3 +178,23 @@ def test_the_model_as_its_own_draft(tiny):
         got, drafted, accepted = _run(llm, prompts, sp)
         assert _summary(got) == _summary(want) and drafted > 0 and accepted == drafted, (accepted, drafted)
     llm.shutdown()
+
+
+def test_bench_reports_the_drafts(tiny, tmp_path, capsys):
+    """`turnout bench latency --speculative-config '{json}'`: the JSON's ``speculative`` entry and the table line."""
+    import json
+
+    from turnout.entrypoints.cli import main as cli_main
+
+    path, _, _ = tiny
+    out = tmp_path / "lat.json"
+    rc = cli_main(["--log-level", "WARNING", "bench", "latency", "--model", path, "--device", "cpu",
+                   "--input-len", "8", "--output-len", "12", "--batch-size", "2", "--num-iters", "1",
+                   "--num-iters-warmup", "0", "--kv-cache-memory", str(8 << 20), "--speculative-config",
+                   '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}',
+                   "--output-json", str(out)])
+    assert rc == 0
+    sp = json.loads(out.read_text())["speculative"]
+    assert sp["method"] == "ngram" and sp["num_speculative_tokens"] == 2
+    assert sp["num_draft_tokens"] >= sp["num_accepted_tokens"] >= 0 and sp["num_drafts"] >= 0
+    assert "speculative: ngram k=2" in capsys.readouterr().out
