@@ -127,10 +127,11 @@ def test_sampled_distribution_equals_the_targets(llm, tiny):
                    frequency_penalty=0.2),
     SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
     SamplingParams(temperature=0.0, max_tokens=30, min_tokens=12, stop_token_ids=[10, 58]),
+    SamplingParams(n=3, temperature=0.9, seed=4, max_tokens=20, ignore_eos=True),
 ])
 def test_every_sampling_behaviour_is_kept(llm, tiny, params):
-    """Greedy, seeded top-p/top-k/min-p samples, penalties, max_tokens, min_tokens and stop tokens: as without
-    drafts, token for token (logprobs up to the rounding of a wider GEMM)."""
+    """Greedy, seeded top-p/top-k/min-p samples, penalties, max_tokens, min_tokens, stop tokens and n > 1 samples:
+    as without drafts, token for token (logprobs up to the rounding of a wider GEMM)."""
     _, _, prompt = tiny
     prompts = [prompt, prompt[:20], [5, 9, 5, 9, 5, 9, 5]]
     want, _, _ = _run(llm, prompts, _off(params))
