@@ -200,3 +200,23 @@ def test_bench_reports_the_drafts(tiny, tmp_path, capsys):
     assert sp["method"] == "ngram" and sp["num_speculative_tokens"] == 2
     assert sp["num_draft_tokens"] >= sp["num_accepted_tokens"] >= 0 and sp["num_drafts"] >= 0
     assert "speculative: ngram k=2" in capsys.readouterr().out
+
+
+def test_async_scheduling_between_drafted_steps(tiny):
+    """With async scheduling, a step without drafts is followed by a lookahead step and the step after it asks
+    the proposer again: the output is still that of no speculation, with both lookaheads and kept drafts."""
+    path, _, prompt = tiny
+    llm = LLM(path, kv_cache_memory=16 << 20, async_scheduling=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                  "prompt_lookup_max": 3})
+    prompts = [prompt[:12], prompt, [5, 9, 5, 9, 5, 9, 5], [33, 1, 7]]
+    for sp in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+               SamplingParams(temperature=0.9, seed=8, max_tokens=40, ignore_eos=True, logprobs=1)):
+        want, _, _ = _run(llm, prompts, _off(sp))
+        before = llm.engine.num_lookahead_steps
+        got, drafted, accepted = _run(llm, prompts, sp)
+        assert _summary(got) == _summary(want)
+        assert llm.engine.num_lookahead_steps > before and drafted > 0
+        if sp.temperature == 0.0:
+            assert accepted > 0
+    llm.shutdown()

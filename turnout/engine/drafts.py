@@ -4,7 +4,8 @@ and the step verifies the guesses (worker/step.py: the rank keeps the drafts its
 its next draw). A wrong guess costs compute, never output: the tokens are the ones the model draws.
 
 A step with drafts runs without the async lookahead (how many tokens each sequence keeps is known on the
-host only once the step is read back), so an engine with a proposer runs every step synchronously.
+host only once the step is read back); with async scheduling, a step without drafts may be followed by a
+lookahead, and the step after that is scheduled afresh, with the proposer asked (engine/core.py).
 Sequences with a grammar are not offered (their state follows one token at a time), nor those of a request
 that turned speculation off (``SamplingParams.speculative_decoding``); a proposer with ``max_batch`` set is
 not asked at all while that many sequences or more run (the batch fills the device: verifying drafts would
