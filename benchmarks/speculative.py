@@ -144,6 +144,8 @@ def _decode_step_ms(engine, batch, context, steps, proposer, tag) -> float:
     from turnout.entrypoints.bench_models import random_prompts
 
     engine.core.proposer = proposer
+    # the ratios compare synchronous steps: a proposer of no drafts would let every other step run ahead
+    engine.core.async_scheduling = proposer is None and engine.platform.is_gpu
     prompts = random_prompts(batch, context, engine.runner.vocab_size, 1)
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     run_to_completion(engine, prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), tag + "w")
