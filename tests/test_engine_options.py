@@ -32,6 +32,7 @@ OTHER = {
     "preemption_mode": ("swap", {}), "swap_space": (1.5, {}), "kv_offload_gb": (2.0, {}),
     "quantization": ("fp8", {}), "kv_cache_dtype": ("fp8", {}),
     "model_impl": ("transformers", {}),
+    "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}', {}),
 }
 
 

@@ -67,6 +67,7 @@ RULES = {
     "kv.spec imports nothing of turnout": ((T + "kv.spec",), ("turnout",)),
     # the layers, bottom up: nothing imports a layer above it
     "envs imports nothing of turnout": ((T + "envs",), ("turnout",)),
+    "speculative_config imports nothing of turnout": ((T + "speculative_config",), ("turnout",)),
     "platforms import no layer above": ((T + "platforms",), tuple(T + p for p in (
         "ops", "layers", "models", "loader", "kv", "engine", "entrypoints", "structured"))),
     "ops import no layer above": ((T + "ops",), tuple(T + p for p in (

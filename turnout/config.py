@@ -127,6 +127,13 @@ class EngineConfig:
         "the architecture, else transformers where its class supports the attention interface); `turnout "
         "models` lists which applies to each architecture", choices=("auto", "native", "transformers"),
         group="model")
+    # Speculative decoding (turnout/speculative_config.py, turnout/engine/speculative.py): vLLM's dict, or its
+    # JSON text on the command line; it sets num_speculative_tokens (the graphs' query lengths) to its k.
+    speculative_config: str | dict | None = option(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+        "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b} or {\"model\": DRAFT, \"num_speculative_tokens\": k} "
+        "(a draft model with the target's tokenizer); greedy and seeded output are those without it",
+        metavar="JSON")
 
     def __post_init__(self):
         def bad(field, why):
@@ -209,6 +216,15 @@ class EngineConfig:
             bad("load_format", f"unknown load format {self.load_format!r} (auto, safetensors, gguf, dummy)")
         if self.model_impl not in ("auto", "native", "transformers"):
             bad("model_impl", f"unknown implementation {self.model_impl!r} (auto, native, transformers)")
+        from turnout.speculative_config import parse_speculative_config
+
+        spec = parse_speculative_config(self.speculative_config)  # ValueError naming speculative_config.<field>
+        object.__setattr__(self, "speculative", spec)  # the parsed settings (not a field: the field keeps the input)
+        if spec is not None:
+            if self.num_speculative_tokens not in (0, spec.num_speculative_tokens):
+                bad("num_speculative_tokens", f"{self.num_speculative_tokens} differs from speculative_config's "
+                    f"{spec.num_speculative_tokens}: give it in one place")
+            object.__setattr__(self, "num_speculative_tokens", spec.num_speculative_tokens)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from turnout.engine.core_outputs import CoreOutput, SampledToken
-from turnout.engine.drafts import DraftProposer, propose
+from turnout.engine.drafts import DraftCounts, DraftProposer, propose
 from turnout.engine.scheduler import Scheduler
 from turnout.engine.scheduler_output import SchedulerOutput
 from turnout.engine.sequence import Sequence, SequenceStatus
@@ -58,6 +58,7 @@ class _Step:
     lanes: list[Sequence]
     handle: StepHandle
     complete: bool = True  # every sampling entry of ``out`` has its row (no lane was dropped by a fault)
+    lookahead: bool = False  # launched by _launch_lookahead
 
 
 def _message(stage: str, e: BaseException) -> str:
@@ -74,8 +75,7 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.inputs = StepInputs(eos_ids)  # the step contract, and which requests the rank keeps
         self.proposer: DraftProposer | None = None  # drafts for multi-token steps (engine/drafts.py)
-        self.num_draft_tokens = 0
-        self.num_accepted_draft_tokens = 0
+        self.draft_counts = DraftCounts()
         self._inflight: _Step | None = None  # a launched lookahead step, read back by the next step()
         self._pending = CoreOutput()  # forks and failures since the last step() returned
         self.num_lookahead_steps = 0
@@ -129,7 +129,7 @@ class EngineCore:
                 # the grammars have accepted this step's tokens: fill the masks and sample the lookahead,
                 # whose forward the device has been running meanwhile
                 ended = {s.seq_id for s in nxt.lanes if s.status.is_finished}
-                self._inflight = self._started(nxt.out, nxt.lanes, nxt.handle.sample(ended))
+                self._inflight = self._started(nxt.out, nxt.lanes, nxt.handle.sample(ended), lookahead=True)
         result, self._pending = self._pending, CoreOutput()
         result.sampled = sampled
         return result
@@ -198,23 +198,25 @@ class EngineCore:
             return None
         return self._started(out, lanes, handle)
 
-    def _started(self, out: SchedulerOutput, lanes: list[Sequence], handle: StepHandle) -> _Step:
+    def _started(self, out: SchedulerOutput, lanes: list[Sequence], handle: StepHandle, lookahead=False) -> _Step:
         complete = not handle.faults
         if not complete:
             self._fail_faults(handle.faults, lanes, "sampling")
             lanes = [s for s in lanes if s.seq_id not in handle.faults]  # the rows the sampler kept
-        return _Step(out, lanes, handle, complete=complete)
+        return _Step(out, lanes, handle, complete=complete, lookahead=lookahead)
 
     def _launch_lookahead(self, prev: _Step) -> _Step | None:
         """Launch the decode step after ``prev`` with ``prev``'s tokens, still on the device, as its
         inputs; None where that step is not certain to be the next one (see Scheduler.schedule_lookahead)
         or a request needs its tokens on the host first (penalties, logits processors, a grammar) or is
         about to end by length, or ``prev`` verified drafts (how many tokens each sequence keeps is known
-        on the host only). A request that ends on a stop token or string at ``prev`` wastes one token of
+        on the host only). With a proposer, a lookahead follows only a step without drafts that was not
+        itself a lookahead: the step after a lookahead is scheduled afresh, so the proposer is asked. A request that ends on a stop token or string at ``prev`` wastes one token of
         work, discarded. With a grammar lane only the forward is launched: its sampling waits until
         ``prev``'s tokens are read and accepted (``StepHandle.sample``), since each lane's mask depends on
         its last token."""
-        if not prev.complete or prev.handle.deferred or self.proposer is not None:
+        if not prev.complete or prev.handle.deferred or (self.proposer is not None and (
+                prev.lookahead or any(e.draft_token_ids for e in prev.out.scheduled))):
             return None
         for seq in prev.lanes:
             p = seq.params
@@ -239,8 +241,8 @@ class EngineCore:
         self.num_lookahead_steps += 1
         if defer:
             self.num_grammar_lookahead_steps += 1
-            return _Step(out, lanes, handle)
-        return self._started(out, lanes, handle)
+            return _Step(out, lanes, handle, lookahead=True)
+        return self._started(out, lanes, handle, lookahead=True)
 
     def _read(self, step: _Step) -> list[SampledToken]:
         """Wait for the step's tokens on the host (the one sync) and append them to their sequences."""
@@ -270,8 +272,7 @@ class EngineCore:
             if entry.draft_token_ids:
                 i = at.get(entry.seq.seq_id)
                 kept = 0 if i is None else len(got.token_ids[i]) - 1
-                self.num_draft_tokens += len(entry.draft_token_ids)
-                self.num_accepted_draft_tokens += kept
+                self.draft_counts.add(len(entry.draft_token_ids), kept)
                 self.scheduler.accept_drafts(entry, kept)
         return sampled
 

@@ -20,6 +20,9 @@ class EngineStats:
     lookahead_steps_total: int = 0  # decode steps launched before the last one's tokens were read back
     draft_tokens_total: int = 0  # tokens proposed to multi-token steps (engine/drafts.py)
     accepted_draft_tokens_total: int = 0  # of those, kept (each saved one one-token step)
+    num_drafts_total: int = 0  # (sequence, step) pairs that verified drafts
+    draft_tokens_per_position: list[int] = field(default_factory=list)  # [j]: drafts verified at position j
+    accepted_draft_tokens_per_position: list[int] = field(default_factory=list)  # [j]: of those, kept
     num_failed_requests_total: int = 0  # requests failed by a fault traced to them (the engine went on)
     # KV tiers (worker/kv_transfer.py, kv/tiers.py)
     num_swapped: int = 0  # sequences waiting in host memory to be swapped back in
@@ -31,6 +34,18 @@ class EngineStats:
     host_tier_hit_tokens_total: int = 0  # prefix hits loaded back from host memory (in prefix_cache_hit_tokens_total)
     host_tier_offloaded_blocks_total: int = 0
     host_tier_used_blocks: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a sequence got per step that verified drafts (1 + the drafts it kept; vLLM's definition);
+        0.0 before any."""
+        return 1.0 + self.accepted_draft_tokens_total / self.num_drafts_total if self.num_drafts_total else 0.0
+
+    @property
+    def draft_acceptance_per_position(self) -> list[float]:
+        """[j]: the fraction of drafts at position j that were kept."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_draft_tokens_per_position,
+                                                     self.draft_tokens_per_position)]
 
 
 @dataclass

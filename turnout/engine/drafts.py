@@ -4,18 +4,25 @@ and the step verifies the guesses (worker/step.py: the rank keeps the drafts its
 its next draw). A wrong guess costs compute, never output: the tokens are the ones the model draws.
 
 A step with drafts runs without the async lookahead (how many tokens each sequence keeps is known on the
-host only once the step is read back), so an engine with a proposer runs every step synchronously.
-Sequences with a grammar are not offered (their state follows one token at a time).
+host only once the step is read back); with async scheduling, a step without drafts may be followed by a
+lookahead, and the step after that is scheduled afresh, with the proposer asked (engine/core.py).
+Sequences with a grammar are not offered (their state follows one token at a time), nor those of a request
+that turned speculation off (``SamplingParams.speculative_decoding``); a proposer with ``max_batch`` set is
+not asked at all while that many sequences or more run (the batch fills the device: verifying drafts would
+cost more than it saves).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from turnout.engine.sequence import Sequence
 
 
 class DraftProposer(Protocol):
+    max_batch: int | None  # no drafts while this many sequences or more run (None: no such limit)
+
     def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
         """seq_id -> the tokens guessed to follow each of ``seqs`` (decoding, every token on the host);
         a sequence left out, or given [], is decoded one token as usual."""
@@ -24,12 +31,16 @@ class DraftProposer(Protocol):
 
 def draftable(seq: Sequence) -> bool:
     """A running sequence decoding one token, with no grammar and no samples still to fork."""
-    return seq.num_tokens - seq.num_computed_tokens == 1 and seq.grammar is None and seq.n == 1
+    return (seq.num_tokens - seq.num_computed_tokens == 1 and seq.grammar is None and seq.n == 1
+            and getattr(seq.params, "speculative_decoding", True))
 
 
 def propose(proposer: DraftProposer, running: list[Sequence], vocab_size: int) -> dict[int, list[int]] | None:
     """The proposer's drafts for the draftable ``running`` sequences; a draft outside the vocabulary ends the
     guess there (it would index nothing)."""
+    cap = getattr(proposer, "max_batch", None)
+    if cap is not None and len(running) >= cap:
+        return None
     seqs = [s for s in running if draftable(s)]
     if not seqs:
         return None
@@ -38,3 +49,31 @@ def propose(proposer: DraftProposer, running: list[Sequence], vocab_size: int) -
         ok = next((i for i, t in enumerate(d) if not (isinstance(t, int) and 0 <= t < vocab_size)), len(d))
         drafts[seq_id] = list(d[:ok])
     return drafts
+
+
+@dataclass
+class DraftCounts:
+    """The engine's speculation counters (EngineStats reports them)."""
+
+    num_drafts: int = 0  # (sequence, step) pairs verified with drafts
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)  # [j]: drafts verified at position j
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: of those, kept
+
+    def add(self, drafted: int, kept: int) -> None:
+        """One sequence's step verified ``drafted`` drafts and kept the first ``kept``."""
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_draft_tokens += kept
+        for counts, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, kept)):
+            counts.extend([0] * (n - len(counts)))
+            for j in range(n):
+                counts[j] += 1
+
+    def stats(self) -> dict:
+        """EngineStats' fields of these counters."""
+        return {"draft_tokens_total": self.num_draft_tokens,
+                "accepted_draft_tokens_total": self.num_accepted_draft_tokens, "num_drafts_total": self.num_drafts,
+                "draft_tokens_per_position": list(self.drafted_per_position),
+                "accepted_draft_tokens_per_position": list(self.accepted_per_position)}

@@ -22,6 +22,7 @@ from turnout.engine.rl import RolloutControl
 from turnout.engine.sampling_params import SamplingParams
 from turnout.engine.scheduler import Scheduler
 from turnout.engine.sequence import Sequence
+from turnout.engine.speculative import build_draft_engine, build_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class LLMEngine:
         self.platform = detect_platform(config.device)
         self.ops = resolve(self.platform, Policy.for_config(config, platform=self.platform))
         log_table(self.ops, logger)
+        draft = build_draft_engine(config, type(self))  # speculative decoding's draft model, before the target
         torch.manual_seed(config.seed)
         # The executor loads the model (its shard on every rank) and builds each rank's model runner.
         self.executor = make_executor(config, self.platform, self.ops)
@@ -98,6 +100,7 @@ class LLMEngine:
                                               stop_token_ids=sorted(self.eos_ids))
         is_async = self.platform.is_gpu if config.async_scheduling is None else config.async_scheduling
         self.core = EngineCore(scheduler, self.runner, self.eos_ids, self.max_model_len, is_async)
+        self.core.proposer = build_proposer(config, self.tokenizer, self.runner.vocab_size, draft)  # speculative decoding (or None)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
         self.rl = RolloutControl(self)  # sleep / wake, weight updates, pause / resume (turnout/engine/rl.py)
         logger.info("engine ready in %.1fs: %s on %s (%s), dtype %s, max_model_len %d, %d KV blocks, "
@@ -113,6 +116,9 @@ class LLMEngine:
         """Stop the other ranks' processes and leave the process group (tensor parallel); idempotent. The
         engine's memory goes with its last reference."""
         self.executor.shutdown()
+        draft = getattr(self.core.proposer, "engine", None)  # a draft model's engine (engine/speculative.py)
+        if draft is not None:
+            draft.shutdown()
 
     def _eos_ids(self) -> set[int]:
         from turnout.loader.source import generation_eos_ids
@@ -184,8 +190,7 @@ class LLMEngine:
                            generation_tokens_total=self.output_processor.generation_tokens_total,
                            prefix_cache_hit_tokens_total=s.num_prefix_cached_tokens,
                            lookahead_steps_total=self.core.num_lookahead_steps,
-                           draft_tokens_total=self.core.num_draft_tokens,
-                           accepted_draft_tokens_total=self.core.num_accepted_draft_tokens,
+                           **self.core.draft_counts.stats(),
                            num_failed_requests_total=self.core.num_failed_requests,
                            **self._tier_stats())
 

@@ -85,6 +85,9 @@ class SamplingParams:
     # MoE models: CompletionOutput.routed_experts, the expert ids select_experts chose in every MoE layer
     # for every token the model read (turnout/worker/routed_experts.py). Bypasses the prefix cache too.
     return_routed_experts: bool = False
+    # False: no draft tokens for this request where the engine has a speculative_config (its output is the
+    # same either way: turnout/engine/speculative.py); True (the default) drafts where the engine does
+    speculative_decoding: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self):
@@ -109,7 +112,7 @@ class SamplingParams:
              f"must be an integer in [0, {MAX_TOKENS_LIMIT}], got {_short(self.min_tokens)}")
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative_decoding"):
             need(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {_short(getattr(self, name))}")
         need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"must be an integer in [0, {MAX_LOGPROBS}], got {_short(self.logprobs)}")

@@ -160,6 +160,18 @@ def _ratio(x, ceiling):
     return x / ceiling if x is not None and ceiling else None
 
 
+def speculative_report(config, stats) -> dict | None:
+    """The run's speculative decoding (warm-up included): the method, k and the draft counters; None when off."""
+    spec = getattr(config, "speculative", None)
+    if spec is None:
+        return None
+    return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens, "draft_model": spec.model,
+            "num_drafts": stats.num_drafts_total, "num_draft_tokens": stats.draft_tokens_total,
+            "num_accepted_tokens": stats.accepted_draft_tokens_total,
+            "mean_accepted_length": stats.mean_accepted_length,
+            "acceptance_per_position": stats.draft_acceptance_per_position}
+
+
 def run(args) -> int:
     if args.bench == "serve":  # no engine here: it drives a server over HTTP
         return bench_serve.run(args)
@@ -189,6 +201,7 @@ def run(args) -> int:
         result["decode_frac_of_copy_bw"] = _ratio(result["decode_GB_s"], copy_bw)
         result["prefill_frac_of_gemm"] = _ratio(result["prefill_TFLOP_s"], gemm)
     graphs = eng.runner.graphs.stats() if getattr(eng.runner, "graphs", None) is not None else graphs
+    result["speculative"] = speculative_report(eng.config, eng.get_stats())
     result.update({"cuda_graphs": graphs, "ops": ops, "engine": info, "geometry": geo.to_dict(),
                    "ceilings": ceilings, "machine": machine()})
     result = _clean(result)

@@ -54,6 +54,11 @@ def print_report(result: dict, out=None) -> None:
     c = result["ceilings"]
     print(f"  ceilings: copy {_fmt(c.get('copy_GB_s'))} GB/s, GEMM {_fmt(c.get('gemm_TFLOP_s'))} TFLOP/s "
           f"({c.get('gemm_dtype', '-')})", file=out)
+    sp = result.get("speculative")
+    if sp:
+        print(f"  speculative: {sp['method']} k={sp['num_speculative_tokens']}, {sp['num_accepted_tokens']} of "
+              f"{sp['num_draft_tokens']} drafts accepted, mean accepted length {_fmt(sp['mean_accepted_length'])}",
+              file=out)
     if result.get("kv_tiers"):
         print(f"  kv tiers: {format_tiers(result['kv_tiers'])}", file=out)
     print("JSON " + json.dumps(result), file=out)

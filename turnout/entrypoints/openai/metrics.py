@@ -56,6 +56,7 @@ class _EngineCollector:
         yield counter("turnout_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (either tier) "
                       "since start.", s.prefix_cache_hit_tokens_total if s else 0)
         yield from _kv_tier_metrics(s, gauge, counter)
+        yield from _speculative_metrics(s, counter)
         yield gauge("turnout_engine_healthy", "1 when the engine is loaded and alive.", 1 if st.healthy else 0)
         last = getattr(eng, "last_loop", None)
         yield gauge("turnout_engine_loop_age_seconds", "Seconds since the engine thread last came round its loop "
@@ -93,6 +94,26 @@ def _kv_tier_metrics(s, gauge, counter):
         yield counter(name, doc, getattr(s, field, 0) if s else 0)
     for name, doc, field in _TIER_GAUGES:
         yield gauge(name, doc, getattr(s, field, 0) if s else 0)
+
+
+def _speculative_metrics(s, counter):
+    """Speculative decoding (turnout/engine/speculative.py): vLLM's spec_decode counters, and per draft position."""
+    yield counter("turnout_spec_decode_num_drafts", "Sequence steps that verified draft tokens.",
+                  getattr(s, "num_drafts_total", 0) if s else 0)
+    yield counter("turnout_spec_decode_num_draft_tokens", "Draft tokens verified.",
+                  getattr(s, "draft_tokens_total", 0) if s else 0)
+    yield counter("turnout_spec_decode_num_accepted_tokens", "Draft tokens accepted (each saved a one-token step).",
+                  getattr(s, "accepted_draft_tokens_total", 0) if s else 0)
+    per = CounterMetricFamily("turnout_spec_decode_num_accepted_tokens_per_pos",
+                              "Draft tokens accepted at each draft position (0-based).", labels=["position"])
+    for j, n in enumerate(getattr(s, "accepted_draft_tokens_per_position", []) if s else []):
+        per.add_metric([str(j)], n)
+    yield per
+    per = CounterMetricFamily("turnout_spec_decode_num_draft_tokens_per_pos",
+                              "Draft tokens verified at each draft position (0-based).", labels=["position"])
+    for j, n in enumerate(getattr(s, "draft_tokens_per_position", []) if s else []):
+        per.add_metric([str(j)], n)
+    yield per
 
 
 def _replica_metrics(replicas, admitted):

@@ -43,6 +43,7 @@ class _SamplingRequest(_Request):
     min_tokens: int | None = 0  # vLLM extension
     skip_special_tokens: bool | None = True  # vLLM extension
     include_stop_str_in_output: bool | None = False  # vLLM extension
+    speculative_decoding: bool | None = None  # turnout extension: False, no draft tokens for this request
     logit_bias: dict[str, float] | None = None  # not supported: rejected when non-empty
     user: str | None = None
     # structured output (vLLM's fields; turnout/structured/request.py reads them and names the one at fault)

@@ -75,7 +75,8 @@ def _sampling_params(req, *, max_tokens, logprobs, rename, structured_outputs=No
             repetition_penalty=opt(req.repetition_penalty, 1.0), stop=req.stop, stop_token_ids=req.stop_token_ids,
             max_tokens=max_tokens, min_tokens=opt(req.min_tokens, 0), ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs, include_stop_str_in_output=bool(req.include_stop_str_in_output),
-            skip_special_tokens=opt(req.skip_special_tokens, True), structured_outputs=structured_outputs)
+            skip_special_tokens=opt(req.skip_special_tokens, True), structured_outputs=structured_outputs,
+            speculative_decoding=opt(req.speculative_decoding, True))
     except ValueError as e:
         raise from_value_error(e, rename) from None
 
