@@ -19,6 +19,7 @@ def all_specs() -> list[OpSpec]:
         routing,
         sampling,
         swap,
+        w4a16,
     )
 
     return [norm.RMS_NORM, norm.FUSED_ADD_RMS_NORM, rotary.ROTARY_EMBEDDING, rotary.QK_NORM_ROTARY, rotary.QK_NORM_ROTARY_CACHE,
@@ -29,4 +30,5 @@ def all_specs() -> list[OpSpec]:
             linear.ADD_RMS_NORM_LINEAR, attention.ROTARY_PAGED_ATTENTION,
             bitmask.APPLY_TOKEN_BITMASK, swap.SWAP_LAYER, swap.SWAP_LAYER_ASYNC,
             collectives.ALL_REDUCE, collectives.ALL_GATHER, collectives.REDUCE_SCATTER, collectives.ALL_TO_ALL,
-            fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR, moe_fp8.MOE_EXPERTS_FP8]
+            fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR, moe_fp8.MOE_EXPERTS_FP8,
+            w4a16.W4A16_LINEAR]

@@ -36,6 +36,7 @@ KERNELS: dict[str, str] = {
     "block_scaled_mm": "fp8:block_scaled_mm",
     "fp8_linear": "fp8:fp8_linear",
     "moe_experts_fp8": "moe_fp8:moe_experts_fp8",
+    "w4a16_linear": "w4a16:w4a16_linear",
 }
 
 
