@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from turnout.ops.reference.w4a16 import ROWS, check_layout
+from turnout.ops.w4_layout import ROWS, check_layout
 from turnout.ops.triton._tuning import interpreted
 
 _INTERPRET = interpreted()

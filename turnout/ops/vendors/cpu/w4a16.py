@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from turnout.ops.reference.w4a16 import ROWS, check_layout
+from turnout.ops.w4_layout import ROWS, check_layout
 
 _SLAB_BYTES = 1 << 20  # float32 bytes of one dequantised slab (about half an L2)
 _INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
