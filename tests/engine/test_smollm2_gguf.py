@@ -110,3 +110,16 @@ def test_generate_cli_streams_text(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tokens/s" in r.stderr
+
+
+def test_kept_q4_blocks_greedy_match_hf(hf):
+    """quantization="gguf": the projections stay in their Q4_1 blocks (w4a16 ops), the tokens stay HF's."""
+    tok, model = hf
+    llm4 = LLM(seed=0, quantization="gguf")
+    qkv = llm4.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.qweight.dtype == torch.uint8 and not hasattr(qkv, "weight")
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    for prompt, out in zip(PLAIN, llm4.generate(PLAIN, params)):
+        want = _hf_greedy(tok, model, tok.encode(prompt))
+        got = out.outputs[0].token_ids
+        assert got == want[: len(got)] and len(got) == len(want), (tok.decode(got), tok.decode(want))

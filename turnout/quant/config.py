@@ -29,8 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("fp8", "awq", "gptq", "compressed-tensors")  # values of EngineConfig.quantization / --quantization
-# (vLLM's spellings; the last three name the checkpoint's own method, turnout/quant/w4_config.py)
+METHODS = ("fp8", "awq", "gptq", "compressed-tensors", "gguf")  # EngineConfig.quantization / --quantization
+# (vLLM's spellings: awq, gptq, compressed-tensors name the checkpoint's own method, turnout/quant/w4_config.py;
+# gguf keeps a GGUF file's 4-bit blocks, turnout/loader/gguf_blocks.py)
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
                     "gate_up_proj")
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -201,6 +202,8 @@ def quant_config(hf_config, quantization: str | None = None):
     elif quantization in ("awq", "gptq", "compressed-tensors"):
         _bad("quantization", f"{quantization!r} reads a checkpoint quantised that way, and this one has no "
                              "quantization_config (only fp8 quantises a float checkpoint at load)")
+    elif quantization == "gguf":  # the loader reads the file's blocks itself
+        return None
     elif quantization == "fp8":
         cfg = Fp8Config("row", "token", False, source="quantised at load")
     else:

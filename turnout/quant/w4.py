@@ -146,6 +146,14 @@ class W4LinearMethod:
             groups = param.shape[0]
             off, size, start, full_n, col0, full_k = self._local(layer, shard_id, groups * cfg.group_size)
             g0, full_g = col0 // cfg.group_size, full_k // cfg.group_size
+            if cfg.fmt == "gguf":  # scale and zero as the layout holds them, [N, G, 2]
+                if tuple(loaded.shape) != (full_n, full_g, 2):
+                    raise ValueError(f"scale_zeros {tuple(loaded.shape)} disagrees with the layer's weight: "
+                                     f"expected {(full_n, full_g, 2)}")
+                if not param.is_meta:
+                    part = loaded[start:start + size, g0:g0 + groups].transpose(0, 1)
+                    param.data[:, off:off + size] = part.to(param.device, param.dtype)
+                return
             s = unpack_scales(cfg.fmt, loaded, full_n, full_g, layer.w4_names["scales"])
             if param.is_meta:
                 return

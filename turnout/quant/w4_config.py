@@ -29,7 +29,7 @@ W4_METHODS = ("awq", "gptq", "compressed-tensors")
 
 @dataclass(frozen=True)
 class W4Config:
-    """fmt: "awq" | "gptq" | "ct". zero_points: the checkpoint stores integer zero points (else symmetric,
+    """fmt: "awq" | "gptq" | "ct" | "gguf". zero_points: the checkpoint stores integer zero points (else symmetric,
     zero 8 on the unsigned scale). act_order: g_idx may order the input columns (GPTQ desc_act, compressed-
     tensors actorder "group"). zero_offset: added to a stored zero point (GPTQ's "gptq" format: 1)."""
 
@@ -43,6 +43,8 @@ class W4Config:
     @property
     def names(self) -> dict[str, str]:
         """role -> the checkpoint's parameter name of a linear layer."""
+        if self.fmt == "gguf":  # turnout/loader/gguf_blocks.py: the reader yields the layout's own pieces
+            return {"qweight": "qweight", "scales": "scale_zeros"}
         if self.fmt == "ct":
             return {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_zero_point",
                     "g_idx": "weight_g_idx", "shape": "weight_shape"}

@@ -27,6 +27,9 @@ def _want(what: str, t: torch.Tensor, shape: tuple) -> None:
 
 def unpack_q(fmt: str, t: torch.Tensor, n: int, k: int, name: str) -> torch.Tensor:
     """The packed weight tensor ``name`` -> q uint8 [n, k]."""
+    if fmt == "gguf":  # the GGUF reader's blocks, already unpacked (turnout/loader/gguf_blocks.py)
+        _want(name, t, (n, k))
+        return t
     if fmt == "awq":  # [K, N/8], along N in AWQ's order
         _want(name, t, (k, n // 8))
         return nibbles(t)[..., _AWQ_INVERSE].reshape(k, n).T.contiguous()

@@ -14,7 +14,7 @@ import torch
 
 from turnout.ops.w4_layout import ROWS, check_layout
 
-_SLAB_BYTES = 1 << 20  # float32 bytes of one dequantised slab (about half an L2)
+_SLAB_BYTES = 8 << 20  # float32 bytes of one dequantised slab: few torch calls a projection (each costs ~10 us)
 _INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
 
 
