@@ -168,3 +168,18 @@ def test_engine_greedy_equals_hf(fmt, flag, hf_models, ids, tmp_path_factory):
     with torch.no_grad():
         want = ref.generate(ids[:8][None], max_new_tokens=6, do_sample=False)[0, 8:]
     assert list(out.token_ids) == want.tolist()
+
+
+def test_dummy_weights_fill_the_4bit_parameters(cpu_ops):
+    """--load-format dummy with a 4-bit quantization_config (the GPU benchmark's AWQ model): finite logits whose
+    spread is that of N(0, 0.02) weights."""
+    from fp8_checkpoints import tiny_config
+
+    from w4_checkpoints import FORMATS as W4
+
+    cfg = tiny_config("qwen3", architectures=["Qwen3ForCausalLM"], quantization_config=W4["awq"][0])
+    m = load_model(cfg, load_format="dummy", ops=cpu_ops, device="cpu").model
+    qkv = m.model.layers[0].self_attn.qkv_proj
+    assert qkv.qweight.dtype == torch.uint8 and qkv.qweight.float().std() > 50
+    logits = forward_logits(m, cfg, torch.arange(6))
+    assert torch.isfinite(logits).all() and logits.std() > 0
