@@ -21,10 +21,10 @@ def _cases():
             yield (f"row group={group} perm={perm} bias={bias} partial={partial}", w4a16._row_kernel, types,
                    dict(GROUP=group, HAS_PERM=perm, HAS_BIAS=bias, PARTIAL=partial, BLOCK_K=max(group, 256)),
                    {"num_stages": 3})
-    for block_m in (16, 64):
+    for block_m, group in ((16, 128), (64, 32)):
         for perm in (False, True):
-            yield (f"gemm BLOCK_M={block_m} perm={perm}", w4a16._gemm_kernel, types,
-                   dict(GROUP=128, HAS_PERM=perm, HAS_BIAS=True, UPCAST=False, PRECISION=None, BLOCK_M=block_m,
+            yield (f"gemm BLOCK_M={block_m} group={group} perm={perm}", w4a16._gemm_kernel, types,
+                   dict(GROUP=group, HAS_PERM=perm, HAS_BIAS=True, UPCAST=False, PRECISION=None, BLOCK_M=block_m,
                         BLOCK_K=64), {"num_stages": 3})
 
 

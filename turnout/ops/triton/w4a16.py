@@ -104,11 +104,18 @@ def _gemm_kernel(x_ptr, perm_ptr, qw_ptr, sz_ptr, b_ptr, y_ptr, M, N, K, stride_
         a = tl.load(x_ptr + rows_c[:, None] * stride_xm + col[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         t = tl.load(base + k[:, None] * 32 + j[None, :], mask=k_ok[:, None], other=0).to(tl.int32)
-        sz_row = sz_ptr + (k // GROUP).to(tl.int64)[:, None] * N * 2 + sz_cols[None, :]
-        s_lo = tl.load(sz_row, mask=k_ok[:, None], other=0.0).to(tl.float32)
-        z_lo = tl.load(sz_row + 1, mask=k_ok[:, None], other=0.0).to(tl.float32)
-        s_hi = tl.load(sz_row + 64, mask=k_ok[:, None], other=0.0).to(tl.float32)
-        z_hi = tl.load(sz_row + 65, mask=k_ok[:, None], other=0.0).to(tl.float32)
+        if GROUP >= BLOCK_K:  # the tile lies in one group: one scale and zero per column
+            sz_row = sz_ptr + (k0 // GROUP) * N * 2 + sz_cols[None, :]
+            s_lo = tl.load(sz_row).to(tl.float32)
+            z_lo = tl.load(sz_row + 1).to(tl.float32)
+            s_hi = tl.load(sz_row + 64).to(tl.float32)
+            z_hi = tl.load(sz_row + 65).to(tl.float32)
+        else:
+            sz_row = sz_ptr + (k // GROUP).to(tl.int64)[:, None] * N * 2 + sz_cols[None, :]
+            s_lo = tl.load(sz_row, mask=k_ok[:, None], other=0.0).to(tl.float32)
+            z_lo = tl.load(sz_row + 1, mask=k_ok[:, None], other=0.0).to(tl.float32)
+            s_hi = tl.load(sz_row + 64, mask=k_ok[:, None], other=0.0).to(tl.float32)
+            z_hi = tl.load(sz_row + 65, mask=k_ok[:, None], other=0.0).to(tl.float32)
         w_lo = ((t & 15).to(tl.float32) - 8.0) * s_lo + z_lo
         w_hi = ((t >> 4).to(tl.float32) - 8.0) * s_hi + z_hi
         if UPCAST:
