@@ -2,7 +2,11 @@
 turnout beside HF transformers `generate` on the same GGUF weights, plus the machine's copy bandwidth
 and GEMM rate measured in the same run.
 
-    python benchmarks/cpu_generate.py [--prompts 32] [--new-tokens 128] [--skip-hf]
+    python benchmarks/cpu_generate.py [--prompts 32] [--new-tokens 128] [--skip-hf] [--variants float32,gguf]
+
+``--variants``: turnout's configurations, each measured in the same run: ``float32`` (the default: the GGUF
+dequantised at load), ``gguf`` (``quantization="gguf"``: the Q4_1 projections kept in 4 bits), ``gguf-bf16`` (the
+same in bfloat16, torch's int4 CPU kernel). ``load_MB`` is the growth of the process's anonymous resident memory (RssAnon) of loading the model alone.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_bandwidth, gemm_tflops, machine, report  # noqa: E402
+
+# benchmarks/ off the path again (also where Python put it, as the script's directory): transformers probes for the `kernels` package by name, and benchmarks/kernels.py
+# would answer (an ImportError inside transformers' GGUF config loading)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 REPEATS = 2
 
@@ -36,11 +44,40 @@ def weight_bytes(model) -> int:
     return total
 
 
-def bench_turnout(prompts, new_tokens):
+VARIANTS = {"float32": {}, "gguf": {"quantization": "gguf"},
+            "gguf-bf16": {"quantization": "gguf", "dtype": "bfloat16"}}
+
+
+LOAD_GROWTH = """
+import os, sys, torch
+def rss():  # anonymous resident memory (the mapped GGUF file's pages are the page cache's, not the process's)
+    line = next(x for x in open("/proc/self/status") if x.startswith("RssAnon:"))
+    return int(line.split()[1]) / 1e3
+from turnout.loader import load_model
+from turnout.ops import resolve
+from turnout.platforms.detect import detect_platform
+ops = resolve(detect_platform("cpu"))
+before = rss()
+m = load_model(None, ops=ops, device="cpu", **eval(sys.argv[1]))
+print(rss() - before)
+"""
+
+
+def load_growth_mb(variant: str) -> float:
+    """Anonymous resident-memory growth of loading the model alone (no KV cache), in a fresh process."""
+    import subprocess
+
+    kw = {k: v for k, v in VARIANTS[variant].items()}
+    r = subprocess.run([sys.executable, "-c", LOAD_GROWTH, repr(kw)], capture_output=True, text=True, timeout=600)
+    return float(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else float("nan")
+
+
+def bench_turnout(prompts, new_tokens, variant: str = "float32"):
     from turnout import LLM, SamplingParams
 
+    load_mb = load_growth_mb(variant)
     t0 = time.perf_counter()
-    llm = LLM(seed=0)
+    llm = LLM(seed=0, **VARIANTS[variant])
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
@@ -53,8 +90,9 @@ def bench_turnout(prompts, new_tokens):
         outs = llm.generate(prompts, params)
         thr = min(thr, time.perf_counter() - t0)
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"load_s": load_s, "b1_tok_s": len(out[0].outputs[0].token_ids) / b1, "thr_tok_s": n / thr,
-            "weights": weight_bytes(llm.engine.runner.model), "b1_tokens": out[0].outputs[0].token_ids}
+    return {"load_s": load_s, "load_MB": load_mb, "b1_tok_s": len(out[0].outputs[0].token_ids) / b1,
+            "thr_tok_s": n / thr, "weights": weight_bytes(llm.engine.runner.model),
+            "b1_tokens": out[0].outputs[0].token_ids}
 
 
 def bench_hf(prompts, new_tokens):
@@ -98,6 +136,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeats", type=int, default=2, help="best of N timings per measurement")
+    ap.add_argument("--variants", default="float32", help=f"turnout configurations ({', '.join(VARIANTS)})")
     args = ap.parse_args()
     global REPEATS
     REPEATS = max(1, args.repeats)
@@ -106,8 +145,11 @@ def main():
     bw = copy_bandwidth(cpu)
     gflops = gemm_tflops(cpu, torch.float32, n=1024, iters=5) * 1e3
     rows = []
-    tu = bench_turnout(prompts, args.new_tokens)
-    rows.append({"engine": "turnout", **{k: v for k, v in tu.items() if k != "b1_tokens"}})
+    tokens = {}
+    for variant in args.variants.split(","):
+        tu = bench_turnout(prompts, args.new_tokens, variant)
+        tokens[variant] = tu["b1_tokens"]
+        rows.append({"engine": f"turnout {variant}", **{k: v for k, v in tu.items() if k != "b1_tokens"}})
     if not args.skip_hf:
         hf = bench_hf(prompts, args.new_tokens)
         rows.append({"engine": "hf-transformers", **{k: v for k, v in hf.items() if k != "b1_tokens"}})
@@ -116,12 +158,14 @@ def main():
         r["b1_frac_copy_bw"] = r["b1_GB_s"] / bw
     extra = {"machine": machine(), "repeats": REPEATS, "copy_GB_s": bw, "gemm_fp32_GFLOP_s": gflops, "prompts": args.prompts,
              "new_tokens": args.new_tokens}
+    extra["b1_same_greedy_tokens_as_first_variant"] = {v: t[:32] == next(iter(tokens.values()))[:32]
+                                                       for v, t in tokens.items()}
     if not args.skip_hf:
         extra["b1_speedup_vs_hf"] = tu["b1_tok_s"] / hf["b1_tok_s"]
         extra["thr_speedup_vs_hf"] = tu["thr_tok_s"] / hf["thr_tok_s"]
         extra["b1_same_greedy_tokens_as_hf"] = tu["b1_tokens"][:32] == hf["b1_tokens"][:32]
     report("SmolLM2-135M CPU generate", rows,
-           ["engine", "load_s", "b1_tok_s", "thr_tok_s", "b1_GB_s", "b1_frac_copy_bw"], extra)
+           ["engine", "load_s", "load_MB", "b1_tok_s", "thr_tok_s", "b1_GB_s", "b1_frac_copy_bw"], extra)
     print(f"ceilings: copy {bw:.1f} GB/s, fp32 GEMM {gflops:.1f} GFLOP/s")
 
 

@@ -114,7 +114,10 @@ class EngineConfig:
                                   "host tier)")
     quantization: str | None = option(
         None, "fp8: quantise the linear weights of an unquantised checkpoint at load (per-channel scales, "
-        "activations per token; turnout/quant); an fp8 checkpoint is read as it is without it", choices=("fp8",))
+        "activations per token; turnout/quant); an fp8 checkpoint is read as it is without it. awq, gptq, "
+        "compressed-tensors: the checkpoint's own 4-bit method, checked against its quantization_config (read "
+        "without the flag too). gguf: keep a GGUF file's Q4_0 / Q4_1 projections in 4 bits instead of float",
+        choices=("fp8", "awq", "gptq", "compressed-tensors", "gguf"))
     kv_cache_dtype: str = option(
         "auto", "the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 with per-layer k/v scales, 1.0 "
         "or the checkpoint's: half the bytes per token, twice the tokens held; turnout/ops/kv_cache.py)",

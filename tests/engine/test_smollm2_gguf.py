@@ -110,3 +110,18 @@ def test_generate_cli_streams_text(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tokens/s" in r.stderr
+
+
+def test_kept_q4_blocks_greedy_match_hf(hf):
+    """quantization="gguf": the projections stay in their Q4_1 blocks (w4a16 ops), the tokens stay HF's."""
+    tok, model = hf
+    llm4 = LLM(seed=0, quantization="gguf")
+    qkv = llm4.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.qweight.dtype == torch.uint8 and not hasattr(qkv, "weight")
+    # two prompts, 16 tokens: the float32 path dequantises every projection per call (several times slower than
+    # the float weights), and the other tests of this file already hold every prompt to HF's 32 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    for prompt, out in zip(PLAIN[:2], llm4.generate(PLAIN[:2], params)):
+        want = _hf_greedy(tok, model, tok.encode(prompt), n=16)
+        got = out.outputs[0].token_ids
+        assert got == want[: len(got)] and len(got) == len(want), (tok.decode(got), tok.decode(want))

@@ -219,7 +219,7 @@ def test_bad_quantization_names_the_field(hf_models, ids, cpu_ops, tmp_path):
     with pytest.raises(ValueError, match=r"^quantization_config.weight_block_size: fp8 MoE experts \(Qwen3Moe"):
         quant_config(moe)
     for field, value, match in [("weight_block_size", [64, 64], "quantization_config.weight_block_size"),
-                                ("quant_method", "awq", "quantization_config.quant_method"),
+                                ("quant_method", "bitsandbytes", "quantization_config.quant_method"),
                                 ("modules_to_not_convert", ["model.layers.0.mlp.down_proj"],
                                  "quantization_config.modules_to_not_convert")]:
         with pytest.raises(ValueError, match=match):

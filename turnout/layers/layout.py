@@ -20,7 +20,9 @@ def use_k_major_weights(model: nn.Module) -> int:
     shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabEmbedding)}
     changed = 0
     for mod in model.modules():
-        if isinstance(mod, (LinearBase, LMHead)) and mod.weight.dim() == 2 and id(mod.weight) not in shared:
+        weight = getattr(mod, "weight", None)  # a 4-bit layer holds no float weight (turnout/quant/w4.py)
+        if isinstance(mod, (LinearBase, LMHead)) and weight is not None and weight.dim() == 2 \
+                and id(weight) not in shared:
             mod.weight.data = mod.weight.data.t().contiguous().t()
             changed += 1
     return changed

@@ -92,7 +92,7 @@ def _load_tokenizer(src: ModelSource, tokenizer, reader=None):
     return AutoTokenizer.from_pretrained(str(src.path))
 
 
-def _check_files(src: ModelSource):
+def _check_files(src: ModelSource, keep_q4: bool = False):
     """Refuse empty or cut-off checkpoint files before anything is parsed. Returns (GGUF reader or None,
     safetensors files or None, how many tensors the weights iterator will yield)."""
     from turnout.loader import checks
@@ -102,18 +102,18 @@ def _check_files(src: ModelSource):
 
         checks.check_gguf(src.path)
         reader = open_reader(src.path)
-        return reader, None, tensor_count(reader)
+        return reader, None, tensor_count(reader, keep_q4)
     from turnout.loader.safetensors import safetensors_files
 
     files = safetensors_files(src.path)
     return None, files, sum(checks.check_safetensors(f) for f in files)
 
 
-def _weights(src: ModelSource, hf_config, reader, files):
+def _weights(src: ModelSource, hf_config, reader, files, keep_q4: bool = False):
     if src.kind == "gguf":
         from turnout.loader.gguf import iter_gguf_weights
 
-        return "gguf", iter_gguf_weights(src.path, hf_config, reader)
+        return "gguf", iter_gguf_weights(src.path, hf_config, reader, keep_q4)
     from turnout.loader.safetensors import iter_safetensors
 
     return "safetensors", iter_safetensors(files)
@@ -220,7 +220,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
             logger.info("loading %s from %s", src.origin, src.path)
             if load_format != "dummy":
                 progress.doing("checking the checkpoint")
-                reader, files, total = _check_files(src)
+                reader, files, total = _check_files(src, quantization == "gguf")
         progress.doing("config", total=total + 3)
         progress.done()
         hf_config = load_config(src) if hf_config is None else hf_config
@@ -228,6 +228,14 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         cls = resolve_model_class(hf_config, model_impl) if cls is None else cls
         torch_dtype = resolve_dtype(dtype, hf_config, device)
         quant = _quant_methods(hf_config, quantization, ops)
+        if quantization == "gguf":  # the file's Q4_0 / Q4_1 projections keep their blocks (loader/gguf_blocks.py)
+            if src is None or src.kind != "gguf" or reader is None:
+                raise ValueError("quantization: 'gguf' keeps the 4-bit blocks of a .gguf file; "
+                                 f"{src.origin if src is not None else 'a config object'} is not one")
+            from turnout.loader.gguf_blocks import w4_method
+
+            quant = {"linear_quant": w4_method(reader)}
+            logger.info("quantization %s", quant["linear_quant"].describe())
         if quant:  # the linear layers and the experts create fp8 parameters (turnout/quant)
             from dataclasses import replace
 
@@ -250,7 +258,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
             fmt = "dummy"
             init_dummy_weights(net, seed)
         else:
-            fmt, weights = _weights(src, hf_config, reader, files)
+            fmt, weights = _weights(src, hf_config, reader, files, quantization == "gguf")
             net.load_weights(progress.over(weights, f"{fmt} weights"))
         progress.doing("tokenizer")
         tok = _load_tokenizer(src, tokenizer, reader) if src is not None or tokenizer is not None else None

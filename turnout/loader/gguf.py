@@ -21,6 +21,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from turnout.loader.gguf_blocks import DECODER_LINEARS, Q4_TYPES, q4_blocks
+
 logger = logging.getLogger(__name__)
 
 # GGUF ``general.architecture`` values whose tensors this module maps (Mistral files say "llama").
@@ -127,8 +129,11 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str | Path, hf_config, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF checkpoint name, float32 tensor) for every tensor of a GGUF file, dequantised one at a time."""
+def iter_gguf_weights(path: str | Path, hf_config, reader=None,
+                      keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, float32 tensor) for every tensor of a GGUF file, dequantised one at a time.
+    ``keep_q4``: decoder projections in Q4_0 / Q4_1 come as their 4-bit values and group scales instead
+    (``<name>.qweight`` uint8 [N, K], ``<name>.scale_zeros`` [N, K/32, 2]; turnout/loader/gguf_blocks.py)."""
     reader = reader if reader is not None else open_reader(path)
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -150,6 +155,15 @@ def iter_gguf_weights(path: str | Path, hf_config, reader=None) -> Iterator[tupl
             raise ValueError(f"{path}: unexpected GGUF tensor {name!r} (ggml type {ggml_type}, shape "
                              f"{tuple(t.data.shape)}): no HF parameter maps to it for architecture {arch!r}")
         hf = template.format(bid=m.group(1) if m else "", e="{e}") + dot + suffix
+        if keep_q4 and ggml_type in Q4_TYPES and DECODER_LINEARS.match(name):
+            q, sz = q4_blocks(t.data, ggml_type)
+            if arch in PERMUTED_QK and m.group(2) in ("attn_q", "attn_k"):
+                heads = n_head if m.group(2) == "attn_q" else n_kv_head
+                q, sz = _unpermute(q, heads), _unpermute(sz, heads)
+            base = hf[: -len(".weight")]
+            yield base + ".qweight", q
+            yield base + ".scale_zeros", sz
+            continue
         w = dequantize(t.data, ggml_type)
         if arch in PERMUTED_QK and m and m.group(2) in ("attn_q", "attn_k"):
             w = _unpermute(w, n_head if m.group(2) == "attn_q" else n_kv_head)
@@ -162,9 +176,11 @@ def iter_gguf_weights(path: str | Path, hf_config, reader=None) -> Iterator[tupl
         yield hf, w
 
 
-def tensor_count(reader) -> int:
-    """How many (HF name, tensor) pairs ``iter_gguf_weights`` yields (a stacked expert tensor: one per expert)."""
+def tensor_count(reader, keep_q4: bool = False) -> int:
+    """How many (HF name, tensor) pairs ``iter_gguf_weights`` yields (a stacked expert tensor: one per expert; a
+    kept Q4 projection two)."""
     n = 0
     for t in reader.tensors:
-        n += int(t.data.shape[0]) if "_exps." in t.name else int(t.name not in HARMLESS_UNMAPPED)
+        kept = keep_q4 and int(t.tensor_type) in Q4_TYPES and DECODER_LINEARS.match(t.name)
+        n += int(t.data.shape[0]) if "_exps." in t.name else 2 if kept else int(t.name not in HARMLESS_UNMAPPED)
     return n

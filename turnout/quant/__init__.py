@@ -1,4 +1,4 @@
-"""Quantised weights (fp8). ``linear_quant(hf_config, quantization, ops)`` and ``experts_quant(...)`` are
+"""Quantised weights (fp8; 4-bit AWQ / GPTQ / compressed-tensors checkpoints, turnout/quant/w4.py). ``linear_quant(hf_config, quantization, ops)`` and ``experts_quant(...)`` are
 what the loader puts in the fusion plan (``FusionPlan.linear_quant`` / ``experts_quant``) before the model is built:
 the methods the linear layers (turnout/quant/fp8.py) and the routed MoE experts (turnout/quant/moe_fp8.py) create
 their parameters and run their forward with, or None.
@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 
 from turnout.quant.config import METHODS, Fp8Config, experts_config, has_experts, quant_config
+from turnout.quant.w4_config import W4Config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["METHODS", "Fp8Config", "experts_quant", "linear_quant", "quant_config"]
+__all__ = ["METHODS", "Fp8Config", "W4Config", "experts_quant", "linear_quant", "quant_config"]
 
 FP8_OPS = ("quantize_fp8", "scaled_mm", "block_scaled_mm", "fp8_linear", "moe_experts_fp8")
 
@@ -41,6 +42,11 @@ def linear_quant(hf_config, quantization: str | None, ops):
     cfg = quant_config(hf_config, quantization)
     if cfg is None:
         return None
+    if isinstance(cfg, W4Config):
+        from turnout.quant.w4 import W4LinearMethod
+
+        logger.info("quantization %s; %s", cfg.describe(), _served_by(ops, "w4a16_linear"))
+        return W4LinearMethod(cfg)
     method = make_method(cfg, ops)
     used = ["fp8_linear"] if cfg.activations == "none" else \
         ["quantize_fp8", "block_scaled_mm" if cfg.weights == "block" else "scaled_mm"] + \

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("fp8",)  # values of EngineConfig.quantization / --quantization
+METHODS = ("fp8", "awq", "gptq", "compressed-tensors", "gguf")  # EngineConfig.quantization / --quantization
+# (vLLM's spellings: awq, gptq, compressed-tensors name the checkpoint's own method, turnout/quant/w4_config.py;
+# gguf keeps a GGUF file's 4-bit blocks, turnout/loader/gguf_blocks.py)
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
                     "gate_up_proj")
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -141,13 +143,55 @@ def _compressed_tensors(qc) -> Fp8Config:
     return Fp8Config(weights, acts, True, "weight_scale", "compressed-tensors checkpoint", experts_field)
 
 
-def quant_config(hf_config, quantization: str | None = None) -> Fp8Config | None:
-    """The quantisation a model of ``hf_config`` runs with (None: none); ValueError naming the field."""
+def _int_weights(qc) -> tuple[str, dict] | None:
+    """(where, weights) of a compressed-tensors config whose one group has integer weights, else None."""
+    groups = _get(qc, "config_groups") or {}
+    if len(groups) != 1:
+        return None
+    (name, group), = groups.items()
+    w = _get(group, "weights") or {}
+    return (f"quantization_config.config_groups.{name}", w) if _get(w, "type") == "int" else None
+
+
+def _w4(hf_config, qc, method: str, quantization: str | None):
+    """The 4-bit weight config of an AWQ / GPTQ / compressed-tensors int checkpoint (turnout/quant/w4_config.py)."""
+    from turnout.quant import w4_config
+
+    if quantization is not None and quantization != method:
+        _bad("quantization", f"{quantization!r} does not match the checkpoint's quantization_config.quant_method "
+                             f"{method!r}")
+    if method == "awq":
+        cfg = w4_config.awq_config(qc)
+    elif method == "gptq":
+        cfg = w4_config.gptq_config(qc)
+    else:
+        where, weights = _int_weights(qc)
+        if _get(_get(qc, "config_groups")[where.rpartition(".")[2]], "input_activations") is not None:
+            _bad(f"{where}.input_activations", "integer weights with quantised activations are not supported "
+                                               "(4-bit weights take float activations)")
+        _check_ignored(_get(qc, "ignore"), "quantization_config.ignore")
+        cfg = w4_config.compressed_tensors_config(qc, where, weights)
+    _check_ignored(_get(qc, "modules_to_not_convert"), "quantization_config.modules_to_not_convert")
+    experts = [f for f in _EXPERT_FIELDS if (getattr(hf_config, f, 0) or 0) > 0]
+    if experts:
+        _bad("quantization_config.quant_method", f"4-bit MoE experts ({experts[0]}="
+             f"{getattr(hf_config, experts[0])}) are not supported yet; {method!r} serves dense models")
+    return cfg
+
+
+def quant_config(hf_config, quantization: str | None = None):
+    """The quantisation a model of ``hf_config`` runs with: an ``Fp8Config``, a ``W4Config``
+    (turnout/quant/w4_config.py) or None; ValueError naming the field."""
     if quantization is not None and quantization not in METHODS:
         _bad("quantization", f"unknown method {quantization!r} ({', '.join(METHODS)})")
     qc = _as_dict(getattr(hf_config, "quantization_config", None))
     if qc:
         method = _get(qc, "quant_method")
+        if method in ("awq", "gptq") or (method == "compressed-tensors" and _int_weights(qc)):
+            return _w4(hf_config, qc, method, quantization)
+        if quantization not in (None, "fp8"):
+            _bad("quantization", f"{quantization!r} does not match the checkpoint's quantization_config."
+                                 f"quant_method {method!r}")
         if method == "fp8":
             cfg = _hf_fp8(qc)
         elif method == "compressed-tensors":
@@ -157,7 +201,13 @@ def quant_config(hf_config, quantization: str | None = None) -> Fp8Config | None
             # unquantised: an unquantised checkpoint as far as the methods here go
             return quant_config(_without_quantization_config(hf_config), quantization)
         else:
-            _bad("quantization_config.quant_method", f"{method!r} is not supported (fp8, compressed-tensors)")
+            _bad("quantization_config.quant_method", f"{method!r} is not supported (fp8, awq, gptq, "
+                 "compressed-tensors)")
+    elif quantization in ("awq", "gptq", "compressed-tensors"):
+        _bad("quantization", f"{quantization!r} reads a checkpoint quantised that way, and this one has no "
+                             "quantization_config (only fp8 quantises a float checkpoint at load)")
+    elif quantization == "gguf":  # the loader reads the file's blocks itself
+        return None
     elif quantization == "fp8":
         cfg = Fp8Config("row", "token", False, source="quantised at load")
     else:

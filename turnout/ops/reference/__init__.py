@@ -21,6 +21,7 @@ def all_specs() -> list[OpSpec]:
         routing,
         sampling,
         swap,
+        w4a16,
     )
 
     return [norm.RMS_NORM, norm.FUSED_ADD_RMS_NORM, rotary.ROTARY_EMBEDDING, rotary.QK_NORM_ROTARY, rotary.QK_NORM_ROTARY_CACHE,
@@ -33,4 +34,4 @@ def all_specs() -> list[OpSpec]:
             collectives.ALL_REDUCE, collectives.ALL_GATHER, collectives.REDUCE_SCATTER, collectives.ALL_TO_ALL,
             fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR, moe_fp8.MOE_EXPERTS_FP8,
             mla.MLA_RESHAPE_AND_CACHE, mla.MLA_PAGED_ATTENTION,
-            moe_biased.MOE_EXPERTS_BIASED]
+            moe_biased.MOE_EXPERTS_BIASED, w4a16.W4A16_LINEAR]

@@ -39,6 +39,7 @@ KERNELS: dict[str, str] = {
     "mla_reshape_and_cache": "mla:mla_reshape_and_cache",
     "mla_paged_attention": "mla:mla_paged_attention",
     "moe_experts_biased": "moe_biased:moe_experts_biased",
+    "w4a16_linear": "w4a16:w4a16_linear",
 }
 
 

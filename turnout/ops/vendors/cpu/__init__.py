@@ -16,6 +16,7 @@ OPS = {
     "qk_norm_rotary_cache": "rotary:qk_norm_rotary_cache",
     "reshape_and_cache": "cache:reshape_and_cache",
     "swap_layer": "swap:swap_layer",
+    "w4a16_linear": "w4a16:w4a16_linear",
 }
 
 
