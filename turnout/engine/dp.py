@@ -224,9 +224,15 @@ class DPAsyncEngine:
 
 
 def sum_stats(stats: list[EngineStats]) -> EngineStats:
-    """The replicas' counters and gauges summed; KV-cache usage averaged (each replica has its own cache)."""
+    """The replicas' counters and gauges summed (per-position counters position by position); KV-cache usage
+    averaged (each replica has its own cache)."""
     total = {}
     for f in dataclasses.fields(EngineStats):
         values = [getattr(s, f.name) for s in stats]
-        total[f.name] = sum(values) / len(values) if f.name == "kv_cache_usage" else sum(values)
+        if f.name == "kv_cache_usage":
+            total[f.name] = sum(values) / len(values)
+        elif values and isinstance(values[0], list):  # replicas may have seen drafts at different depths
+            total[f.name] = [sum(v[j] for v in values if j < len(v)) for j in range(max(map(len, values)))]
+        else:
+            total[f.name] = sum(values)
     return EngineStats(**total)
