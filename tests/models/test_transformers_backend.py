@@ -17,13 +17,14 @@ from turnout.models.transformers_backend.tiny import PROMPTS, save_tiny
 # No native class; each supports transformers' attention interface. Variety: learned absolute positions (gpt2,
 # gpt_bigcode, opt, ctrl), partial rotary (gptj, codegen, phi, persimmon), parallel blocks (gpt_neox, gptj, cohere,
 # phi), LayerNorm (gpt2, gpt_neox, opt, phi, persimmon, cohere), logit scaling (cohere, granite), sliding windows
-# (cohere2, starcoder2, granite_swa), (1 + w) norms (gemma), a final soft-cap (nanochat), sinks (gpt_oss), MoE with
-# per-expert checkpoint tensors stacked at load (olmoe, granitemoe, jetmoe, gpt_oss), a persistent buffer (apertus).
+# (cohere2, starcoder2, granite_swa), (1 + w) norms (gemma), a final soft-cap (nanochat), MoE with per-expert
+# checkpoint tensors stacked at load (olmoe, granitemoe, jetmoe), a persistent buffer (apertus). ERNIE-4.5, GPT-OSS
+# and Phi-3 ran here until they became native classes.
 ARCHITECTURES = [
-    "apertus", "arcee", "bitnet", "codegen", "cohere", "cohere2", "ctrl", "diffllama", "ernie4_5", "exaone4", "gemma",
-    "glm", "gpt2", "gpt_bigcode", "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa", "granitemoe",
+    "apertus", "arcee", "bitnet", "codegen", "cohere", "cohere2", "ctrl", "diffllama", "exaone4", "gemma",
+    "glm", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "granite", "granite_swa", "granitemoe",
     "granitemoeshared", "helium", "hyperclovax", "jetmoe", "nanochat", "olmo", "olmoe", "opt", "persimmon", "phi",
-    "phi3", "starcoder2",
+    "starcoder2",
 ]
 
 

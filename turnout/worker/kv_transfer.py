@@ -16,8 +16,9 @@ anything else of the step, so they read the blocks before the step can overwrite
 the ops, swap preemption and the host tier are refused at start-up with the reasons (auto preempts by
 recompute, logged). The CPU has no streams: there the async op is unavailable, with that reason.
 
-A swap op whose implementation raises on its first call (the dispatch layer's guard then refuses to
-retry it: the op writes into its destination) is dropped here and the same copy is run again with the
+A swap op whose implementation raises on its first call (the dispatch layer's guard then either refuses to
+retry it, the destination being too large to keep a copy of, or has no other implementation of that op) is
+dropped here and the same copy is run again with the
 next op (async -> sync -> whole cache; copies out: sync -> async in line -> whole cache), logged once.
 That is safe because no copy writes its source: a swap-in reads the host blocks, a swap-out the device
 blocks, and the retry overwrites whatever the failed call left in the destination blocks. Under a strict
@@ -38,7 +39,7 @@ import weakref
 import torch
 
 from turnout.kv.preemption import Preemption
-from turnout.ops import OpFailedError
+from turnout.ops import OpFailedError, OpUnavailableError
 from turnout.worker import kv_measure
 from turnout.worker.kv_sizing import allocate_caches, block_caches, state_caches
 from turnout.worker.layer_gate import LayerGate
@@ -46,6 +47,8 @@ from turnout.worker.layer_gate import LayerGate
 logger = logging.getLogger(__name__)
 
 # (how it is named in the log, the op), in the order tried
+# what the dispatch guard raises when a swap op's first call failed and it does not retry it itself
+FIRST_CALL_FAILED = (OpFailedError, OpUnavailableError)
 STRATEGIES = (("async per layer", "swap_layer_async"), ("sync per layer", "swap_layer"), ("whole cache", "swap_blocks"))
 # the ops a copy that runs in line (every copy out; a sync swap-in) tries, in order
 IN_LINE = ("swap_layer", "swap_layer_async", "swap_blocks")
@@ -160,7 +163,7 @@ class KVTransfer:
             ops.swap_blocks(s, d, m)
         return None
 
-    def _drop(self, op: str, err: OpFailedError) -> None:
+    def _drop(self, op: str, err: RuntimeError) -> None:
         """``op`` raised on its first call: never use it again, move the strategy on, say so once. With no
         op left, or under a strict ops policy, the error is raised (the engine stops loudly)."""
         if self.ops.policy.strict:
@@ -184,7 +187,7 @@ class KVTransfer:
                 for s, d in zip(srcs, dsts):
                     self._call(op, s, d, m)
                 return
-            except OpFailedError as e:
+            except FIRST_CALL_FAILED as e:
                 self._drop(op, e)
 
     def _mapping(self, pairs: list[tuple[int, int]]) -> torch.Tensor:
@@ -222,7 +225,7 @@ class KVTransfer:
             self._stream.wait_stream(main)  # the blocks' previous owner's work (reads and writes) comes first
             try:
                 events = [self._call("swap_layer_async", host[0], caches[0], m, self._stream)]
-            except OpFailedError as e:  # its first call: nothing of it is waited on; the next strategy redoes it
+            except FIRST_CALL_FAILED as e:  # its first call: nothing of it is waited on; the next strategy redoes it
                 self._drop("swap_layer_async", e)
                 return self.swap_in(pairs)
             return LayerGate(len(caches), self._async_layers(main, host, caches, m, events))
@@ -249,7 +252,7 @@ class KVTransfer:
                     return
                 try:
                     events.append(self._call("swap_layer_async", host[j], caches[j], m, self._stream))
-                except OpFailedError as e:
+                except FIRST_CALL_FAILED as e:
                     self._drop("swap_layer_async", e)
 
         issue(ASYNC_AHEAD)
