@@ -106,6 +106,7 @@ def test_a_kernel_failing_on_first_use_is_replaced_for_that_op_only(tiny, monkey
     default = _tokens(LLM(tiny, **KW))
     gems = FailsOnce()
     monkeypatch.setattr(library, "_outcome", {"module": gems})
+    monkeypatch.setattr(library, "_declined", set())  # said once per process: earlier tests may have said it
     reg = build_registry(plugins=False)
     reg.run_registration("plugin:flaggems", register)
     monkeypatch.setattr(registry, "_default", reg)
