@@ -12,6 +12,9 @@ import transformers
 from turnout import LLM, SamplingParams
 
 WINDOW, BS, STEPS = 6, 4, 24
+# transformers 5.17's GptOssConfig has no swiglu_limit and its experts clamp at the released 7.0 whatever the config
+# says; newer ones read the field (3.0 lets the tiny random weights reach the clamp)
+LIMIT = 3.0 if "swiglu_limit" in transformers.GptOssConfig().to_dict() else 7.0
 
 
 def _model(path):
@@ -19,7 +22,7 @@ def _model(path):
     cfg = transformers.GptOssConfig(
         vocab_size=256, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
-        max_position_embeddings=256, swiglu_limit=3.0, tie_word_embeddings=False,
+        max_position_embeddings=256, swiglu_limit=LIMIT, tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 64, "rope_theta": 150000.0})
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()

@@ -32,6 +32,10 @@ from turnout.quant.mxfp4 import dequantized_weights
 logger = logging.getLogger(__name__)
 
 
+# the released checkpoints' values, which older transformers' GptOssExperts hard-codes
+SWIGLU_DEFAULTS = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+
+
 def check_config(config) -> None:
     """What the layers are built from, checked against itself: ValueError naming the field."""
     n = config.num_hidden_layers
@@ -46,9 +50,11 @@ def check_config(config) -> None:
         window = getattr(config, "sliding_window", None)
         if "sliding_attention" in types and not window:
             raise ValueError(f"layer_types has sliding_attention layers, but sliding_window is {window!r}")
-    for field in ("swiglu_limit", "swiglu_alpha"):
+    for field, default in SWIGLU_DEFAULTS.items():
         value = getattr(config, field, None)
-        if value is None or not float(value) > 0:
+        if value is None:  # older transformers (5.17) has neither field: its experts hard-code these
+            setattr(config, field, default)
+        elif not float(value) > 0:
             raise ValueError(f"{field} must be a positive number, got {value!r}")
 
 
