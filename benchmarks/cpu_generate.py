@@ -21,10 +21,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_bandwidth, gemm_tflops, machine, report  # noqa: E402
 
-# benchmarks/ off the path again (also where Python put it, as the script's directory): transformers probes for the `kernels` package by name, and benchmarks/kernels.py
-# would answer (an ImportError inside transformers' GGUF config loading)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
 REPEATS = 2
 
 TOPICS = ["the ocean", "a city at night", "how engines work", "the history of tea", "prime numbers", "a forest",

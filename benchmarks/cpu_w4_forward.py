@@ -16,9 +16,6 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# not benchmarks/ on the path (Python put it there as the script's directory): transformers probes for the
-# `kernels` package by name, and benchmarks/kernels.py would answer
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "quant"))
 VARIANTS = {"float32": {}, "gguf": {"quantization": "gguf"}, "gguf-bf16": {"quantization": "gguf", "dtype": "bfloat16"}}
 

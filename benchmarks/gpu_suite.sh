@@ -12,7 +12,7 @@
 #   tests:
 #   pytest_gpu     python -m pytest -m gpu tests/           -> pytest_gpu.xml            cap 300 s
 #   ops_check      turnout ops --check --json (conformance)  -> ops_check.json           cap 150 s
-#   kernels        python benchmarks/kernels.py              -> kernels.log (JSON lines)  cap 50 s
+#   kernels        python benchmarks/op_kernels.py              -> kernels.log (JSON lines)  cap 50 s
 #   bench:
 #   lat_graphs     turnout bench latency, Qwen3-8B dummy bf16, batch 1, 128 in / 256 out, CUDA graphs  60 s
 #   lat_eager      the same with --enforce-eager                                                       35 s
@@ -120,11 +120,11 @@ tests_part() {
   step ops_check 150 bash -c "exec \"$PY\" -m turnout.entrypoints.cli ops --check --json >\"$OUT/ops_check.json\""
 
   # 3. Kernel micro-benchmarks (another engineer's script; skipped when absent).
-  if [[ -f benchmarks/kernels.py ]]; then
+  if [[ -f benchmarks/op_kernels.py ]]; then
     # KERNELS_ARGS replaces the defaults (the PyTorch reference peer is slow: skipped unless asked for).
-    step kernels 50 "$PY" benchmarks/kernels.py ${KERNELS_ARGS:---no-reference --json "$OUT/kernels.json"}
+    step kernels 50 "$PY" benchmarks/op_kernels.py ${KERNELS_ARGS:---no-reference --json "$OUT/kernels.json"}
   else
-    printf '{"step":"kernels","status":"skipped","reason":"benchmarks/kernels.py not found"}\n' >>"$STEPS"
+    printf '{"step":"kernels","status":"skipped","reason":"benchmarks/op_kernels.py not found"}\n' >>"$STEPS"
   fi
 }
 

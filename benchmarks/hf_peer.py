@@ -31,11 +31,7 @@ import traceback
 
 import torch
 
-# Run as a script, Python puts benchmarks/ first on sys.path, where kernels.py would shadow the `kernels` package
-# that transformers probes for when it imports its activations (an ImportError before any model is built).
 _HERE = os.path.dirname(os.path.abspath(__file__))
-if __name__ == "__main__":
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 from turnout.entrypoints.bench_models import random_prompts, resolve_model  # noqa: E402
 from turnout.utils.roofline import machine  # noqa: E402

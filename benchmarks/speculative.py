@@ -34,10 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# common.py is imported from here, but after the packages: benchmarks/kernels.py must not shadow the `kernels`
-# package that transformers imports (python puts a script's folder first)
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
 
 PASSAGES = [
     "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "

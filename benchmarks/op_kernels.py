@@ -6,8 +6,8 @@ must read, beside a device-to-device copy of the same number of bytes timed in t
 bandwidth counts its read and its write, so both numbers are memory traffic), with the PyTorch reference
 and dense SDPA (KV pre-gathered, not paged) as peers. Also prints FLOP/s and tokens/s, then JSON.
 
-    python benchmarks/kernels.py                      # batch 64 x 4096 context, plus batch 8 (split-KV)
-    python benchmarks/kernels.py --batch 32 --context 8192 --json out.json
+    python benchmarks/op_kernels.py                      # batch 64 x 4096 context, plus batch 8 (split-KV)
+    python benchmarks/op_kernels.py --batch 32 --context 8192 --json out.json
 """
 
 from __future__ import annotations
@@ -116,10 +116,10 @@ def main(argv=None) -> int:
     try:
         import torch
     except ImportError:
-        print("benchmarks/kernels.py: torch is not installed; nothing to time", file=sys.stderr)
+        print("benchmarks/op_kernels.py: torch is not installed; nothing to time", file=sys.stderr)
         return 0
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py: no GPU (torch.cuda.is_available() is False); skipped", file=sys.stderr)
+        print("benchmarks/op_kernels.py: no GPU (torch.cuda.is_available() is False); skipped", file=sys.stderr)
         return 0
     torch.manual_seed(0)
     results = [bench_decode_attention(a.batch, a.context, with_reference=not a.no_reference, splits=(1, 2))]
