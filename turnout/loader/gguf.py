@@ -26,14 +26,19 @@ from turnout.loader.gguf_blocks import DECODER_LINEARS, Q4_TYPES, q4_blocks
 logger = logging.getLogger(__name__)
 
 # GGUF ``general.architecture`` values whose tensors this module maps (Mistral files say "llama").
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3")
+# the layouts whose Q4 blocks --quantization gguf keeps (tests/loader/test_gguf_blocks.py); the others dequantise
+KEPT_Q4_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 # llama.cpp's converter permutes Q and K rows of these architectures for its interleaved rotary layout.
 PERMUTED_QK = ("llama",)
+# llama.cpp's Gemma converters store every RMSNorm weight as 1 + w (ggml's norm multiplies by the weight, Gemma's
+# by 1 + w): w is the file's value minus one, as transformers' own GGUF loading does.
+NORM_SHIFTED = ("gemma2", "gemma3")
 # GGUF tensors with no HF parameter, carrying nothing HF's config does not already say.
 HARMLESS_UNMAPPED = ("rope_freqs.weight",)
 
 
-def _hf_names() -> dict[str, str]:
+def _hf_names(arch: str = "llama") -> dict[str, str]:
     """GGUF tensor base name (``blk.{bid}.attn_q``) -> HF checkpoint module name (``{bid}``, ``{e}`` kept)."""
     from gguf import MODEL_TENSOR as T
     from gguf import TENSOR_NAMES
@@ -54,6 +59,12 @@ def _hf_names() -> dict[str, str]:
         T.FFN_DOWN_SHEXP: layer + "mlp.shared_expert.down_proj",
         T.FFN_GATE_INP_SHEXP: layer + "mlp.shared_expert_gate",
     }
+    if arch in NORM_SHIFTED:  # sandwich norms: ffn_norm is the norm before the MLP, post_* the ones after
+        table.update({T.FFN_PRE_NORM: layer + "pre_feedforward_layernorm",
+                      T.ATTN_POST_NORM: layer + "post_attention_layernorm",
+                      T.FFN_POST_NORM: layer + "post_feedforward_layernorm"})
+    if arch == "phi3":  # fused as in HF's Phi-3 checkpoints: [q; k; v] rows and [gate; up] rows
+        table.update({T.ATTN_QKV: layer + "self_attn.qkv_proj", T.FFN_UP: layer + "mlp.gate_up_proj"})
     return {TENSOR_NAMES[kind]: hf for kind, hf in table.items()}
 
 
@@ -140,7 +151,17 @@ def iter_gguf_weights(path: str | Path, hf_config, reader=None,
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported by turnout's GGUF loader "
                          f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); a safetensors checkpoint of the "
                          f"same model may load")
-    names = _hf_names()
+    if keep_q4 and arch not in KEPT_Q4_ARCHITECTURES:
+        raise ValueError(f"{path}: quantization='gguf' (Q4 blocks kept) is built for the "
+                         f"{', '.join(KEPT_Q4_ARCHITECTURES)} GGUF layouts, not {arch!r}; load it without "
+                         f"--quantization (dequantised at load)")
+    if arch == "phi3":
+        factors = [t.name for t in reader.tensors if t.name.startswith(("rope_factors_long", "rope_factors_short"))]
+        if factors:  # transformers' config from GGUF has no LongRoPE scaling: the model would be silently wrong
+            raise ValueError(f"{path}: a Phi-3 GGUF with LongRoPE factors ({', '.join(factors)}) is not supported: "
+                             f"the config transformers reads from GGUF carries no rope scaling; load the "
+                             f"safetensors checkpoint of the same model")
+    names = _hf_names(arch)
     n_head = int(hf_config.num_attention_heads)
     n_kv_head = int(getattr(hf_config, "num_key_value_heads", None) or n_head)
     for t in reader.tensors:
@@ -171,6 +192,8 @@ def iter_gguf_weights(path: str | Path, hf_config, reader=None,
             for e in range(w.shape[0]):
                 yield hf.format(e=e), w[e]
             continue
+        if arch in NORM_SHIFTED and suffix == "weight" and "norm" in (m.group(2) if m else stem):
+            w = w - 1.0
         if m and m.group(2) == "ffn_gate_inp_shexp" and w.dim() == 1:
             w = w[None]  # HF's shared-expert gate is a Linear(H, 1): [1, H]
         yield hf, w

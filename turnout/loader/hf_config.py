@@ -28,10 +28,16 @@ def load_config(src: ModelSource):
                 _refuse_remote_code(src.path, e)
             raise
     if not getattr(config, "architectures", None):
-        # GGUF configs (and some hand-written ones) name only the model type; HF's causal-LM classes are
-        # named after their config classes (LlamaConfig -> LlamaForCausalLM, Qwen3MoeConfig -> Qwen3MoeForCausalLM).
+        # GGUF configs (and some hand-written ones) name only the model type: the class transformers' auto
+        # mapping builds for it (gemma3_text -> Gemma3ForCausalLM), else the config class's name
+        # (LlamaConfig -> LlamaForCausalLM, Qwen3MoeConfig -> Qwen3MoeForCausalLM).
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        mapped = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+        mapped = mapped[0] if isinstance(mapped, (list, tuple)) else mapped
         name = type(config).__name__
-        config.architectures = [name[: -len("Config")] + "ForCausalLM"] if name.endswith("Config") else None
+        config.architectures = ([mapped] if mapped else [name[: -len("Config")] + "ForCausalLM"]
+                                if name.endswith("Config") else None)
     return config
 
 
