@@ -249,7 +249,7 @@ class EngineCore:
         got = step.handle.output()
         at = {rid: i for i, rid in enumerate(got.req_ids)}
         live = [(seq, at[seq.seq_id]) for seq in step.lanes if seq.seq_id in at and not seq.status.is_finished]
-        accepted = _accept_grammar_tokens([(seq, got.token_ids[i][0]) for seq, i in live if seq.grammar is not None])
+        accepted = _accept_grammar_tokens([(seq, got.token_ids[i]) for seq, i in live if seq.grammar is not None])
         sampled = []
         for seq, i in live:
             if seq.status.is_finished:  # failed by the grammar of another sample of its request
@@ -259,7 +259,7 @@ class EngineCore:
                 ok = accepted[seq.seq_id]
                 if ok is not True:  # its grammar is the request's own: it fails alone
                     e = ok if isinstance(ok, BaseException) else ValueError(
-                        f"token {tokens[0]} is not allowed by the grammar")
+                        f"token {tokens[ok]} is not allowed by the grammar")
                     self.fail(seq.request_id, _message("grammar", e))
                     continue
             for tok in tokens:
@@ -277,14 +277,30 @@ class EngineCore:
         return sampled
 
 
-def _accept_grammar_tokens(lanes: list[tuple[Sequence, int]]) -> dict:
-    """seq_id -> True, False (refused) or the exception, for each (sequence with a grammar, its token): one
-    batch call (turnout/structured/matcher.py accept_batch)."""
+def _accept_grammar_tokens(lanes: list[tuple[Sequence, list[int]]]) -> dict:
+    """seq_id -> True, the index of the first token refused, or the exception, for each (sequence with a grammar,
+    its tokens of the step): the one-token lanes in one batch call (turnout/structured/matcher.py accept_batch);
+    a lane that kept drafts accepts its tokens in order, up to a token that ends its grammar (the output
+    processor ends the sequence there)."""
     if not lanes:
         return {}
     from turnout.structured.matcher import accept_batch
 
-    return dict(zip((seq.seq_id for seq, _ in lanes), accept_batch([(seq.grammar, tok) for seq, tok in lanes])))
+    single = [(seq, toks[0]) for seq, toks in lanes if len(toks) == 1]
+    out = {seq.seq_id: True if ok is True else 0 if ok is False else ok
+           for (seq, _), ok in zip(single, accept_batch([(seq.grammar, tok) for seq, tok in single]))}
+    for seq, toks in lanes:
+        if len(toks) > 1:
+            try:
+                n = 0
+                while n < len(toks) and seq.grammar.accept_token(toks[n]):
+                    n += 1
+                    if seq.grammar.is_terminated():
+                        break
+                out[seq.seq_id] = True if n == len(toks) or seq.grammar.is_terminated() else n
+            except Exception as e:  # noqa: BLE001 - the request's grammar: it fails alone
+                out[seq.seq_id] = e
+    return out
 
 
 def _without_finished(out: SchedulerOutput) -> SchedulerOutput:

@@ -6,8 +6,10 @@ its next draw). A wrong guess costs compute, never output: the tokens are the on
 A step with drafts runs without the async lookahead (how many tokens each sequence keeps is known on the
 host only once the step is read back); with async scheduling, a step without drafts may be followed by a
 lookahead, and the step after that is scheduled afresh, with the proposer asked (engine/core.py).
-Sequences with a grammar are not offered (their state follows one token at a time), nor those of a request
-that turned speculation off (``SamplingParams.speculative_decoding``); a proposer with ``max_batch`` set is
+A sequence with a grammar keeps only the drafts its grammar allows in a row (checked here, its state left
+as it was); the rank masks each verified position by the state after the drafts before it
+(structured/matcher.py ``DraftedGrammarState``), and the kept tokens are accepted when read. Sequences of a
+request that turned speculation off (``SamplingParams.speculative_decoding``); a proposer with ``max_batch`` set is
 not asked at all while that many sequences or more run (the batch fills the device: verifying drafts would
 cost more than it saves).
 """
@@ -30,8 +32,8 @@ class DraftProposer(Protocol):
 
 
 def draftable(seq: Sequence) -> bool:
-    """A running sequence decoding one token, with no grammar and no samples still to fork."""
-    return (seq.num_tokens - seq.num_computed_tokens == 1 and seq.grammar is None and seq.n == 1
+    """A running sequence decoding one token, with no samples still to fork."""
+    return (seq.num_tokens - seq.num_computed_tokens == 1 and seq.n == 1
             and getattr(seq.params, "speculative_decoding", True))
 
 
@@ -44,11 +46,26 @@ def propose(proposer: DraftProposer, running: list[Sequence], vocab_size: int) -
     seqs = [s for s in running if draftable(s)]
     if not seqs:
         return None
+    grammars = {s.seq_id: s.grammar for s in seqs if s.grammar is not None}
     drafts = {}
     for seq_id, d in proposer.propose(seqs).items():
         ok = next((i for i, t in enumerate(d) if not (isinstance(t, int) and 0 <= t < vocab_size)), len(d))
-        drafts[seq_id] = list(d[:ok])
+        d = list(d[:ok])
+        if d and seq_id in grammars:
+            d = d[:_grammar_prefix(grammars[seq_id], d)]
+        drafts[seq_id] = d
     return drafts
+
+
+def _grammar_prefix(state, drafts: list[int]) -> int:
+    """How many drafts the sequence's grammar allows in a row; 0 where the state cannot say (it fails the request
+    at its own next token, not here)."""
+    from turnout.structured.matcher import valid_draft_prefix
+
+    try:
+        return valid_draft_prefix(state, drafts)
+    except Exception:  # noqa: BLE001 - the request's grammar: no drafts, its one-token path reports the fault
+        return 0
 
 
 @dataclass

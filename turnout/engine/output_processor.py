@@ -205,7 +205,9 @@ class OutputProcessor:
             comp.cumulative_logprob += lp
         n_out = len(comp.token_ids)
         finish, stop_reason = None, None
-        terminated = getattr(seq.grammar, "is_terminated", None)
+        # the grammar has accepted the step's tokens, all of them: its end shows at the step's last token (one
+        # that ended it earlier is a stop token, and the rows after it allowed only stop tokens)
+        terminated = getattr(seq.grammar, "is_terminated", None) if i == len(st.tokens) - 1 else None
         if terminated is not None and terminated():
             finish = "stop"  # its grammar took a stop token: the structured text is complete (min_tokens, ignore_eos yield)
         elif tok in self.eos_ids and not p.ignore_eos and n_out > p.min_tokens - 1:

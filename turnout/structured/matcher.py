@@ -120,6 +120,46 @@ class GrammarState:
         return twin
 
 
+class DraftedGrammarState:
+    """The state a sequence's grammar would be in after its first drafts: what row j of a lane verified with
+    drafts is masked by (the target's draw at that row follows drafts[:j]). The drafts are accepted for the
+    fill and rolled back after it, so the sequence's own state never moves until its kept tokens are read."""
+
+    def __init__(self, state: GrammarState, drafts: Sequence[int]):
+        self.state, self.drafts = state, list(drafts)
+
+    def _advanced(self, fn):
+        n = self.state.accept_tokens(self.drafts)
+        try:
+            if n < len(self.drafts):  # checked when proposed (valid_draft_prefix): a bug, not the request's
+                raise RuntimeError(f"draft token {self.drafts[n]} at position {n} is not allowed by the grammar")
+            return fn()
+        finally:
+            self.state.rollback(n)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> bool:
+        return self._advanced(lambda: self.state.fill_bitmask(bitmask, row))
+
+    def is_terminated(self) -> bool:
+        return self._advanced(self.state.is_terminated)
+
+
+def valid_draft_prefix(state: GrammarState, drafts: Sequence[int]) -> int:
+    """How many of ``drafts`` the grammar allows in a row from ``state`` (left unchanged), stopping after a
+    token that ends it: drafts past that point could never be kept."""
+    n = 0
+    try:
+        for t in drafts:
+            if not state.accept_token(t):
+                break
+            n += 1
+            if state.is_terminated():
+                break
+    finally:
+        state.rollback(n)
+    return n
+
+
 def accept_batch(pairs: Sequence[tuple[GrammarState, int]], *, batch_from: int = 8) -> list:
     """Accept one token per state: for each pair True (accepted), False (refused: the state is unchanged)
     or the exception its state raised. From ``batch_from`` plain states on, one xgrammar call accepts them

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from turnout.layers.sampler import SamplerOutput, SamplingBatch
+from turnout.structured.matcher import DraftedGrammarState
 from turnout.worker.step import ModelRunnerOutput, NewRequest, SamplingSpec
 
 
@@ -77,8 +78,8 @@ def build_batch(t, lanes: list[tuple[CachedRequest, object, list[int]]], vals: l
         req, smp, _ = lanes[lane]
         if req.spec.logits_processors:
             b.processors.append((r, list(req.spec.logits_processors), history(lane, j)))
-        if smp.grammar is not None:  # a grammar lane has no drafts: its state follows one token at a time
-            b.grammars.append((r, smp.grammar))
+        if smp.grammar is not None:  # row j: the state after the lane's first j drafts
+            b.grammars.append((r, smp.grammar if j == 0 else DraftedGrammarState(smp.grammar, lanes[lane][2][:j])))
     specs = [lanes[lane][0].spec for lane, _ in row_lanes]
     if any(s.has_penalties for s in specs):
         if pending:
