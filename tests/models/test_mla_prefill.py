@@ -226,3 +226,14 @@ def test_the_flops_rule_and_the_plan():
     assert plan_latent_prefill(no_host, "decompressed", v3) is None
     with pytest.raises(ValueError, match="mla_prefill"):
         FusionPlan(mla_prefill="mha")
+    # the decompressed keys and values of a step are bounded in bytes: 16 heads of DeepSeek's shape in bf16, 17k
+    # keys; a sequence past the bound runs absorbed
+    assert LatentDims(512, 64, 128, 128, num_heads=16, elem_bytes=2).max_keys == (256 << 20) // (2 * (576 + 16 * 448))
+    narrow = LatentDims(512, 64, 128, 128, num_heads=10000)
+    assert narrow.max_keys == 29
+    two = AttentionMetadata(slot_mapping=torch.arange(35), block_tables=tables[:2],
+                            seq_lens=torch.tensor([20, 15], dtype=torch.int32),
+                            query_start_loc=torch.tensor([0, 20, 35], dtype=torch.int32), max_query_len=20,
+                            max_seq_len=20, seq_lens_host=(20, 15), query_start_loc_host=(0, 20, 35))
+    plan = plan_latent_prefill(two, "decompressed", narrow)
+    assert plan.total_keys == 20 and plan.absorbed_tokens.tolist() == list(range(20, 35))

@@ -191,7 +191,8 @@ class MLAAttention(nn.Module):
 
     @property
     def latent_dims(self) -> LatentDims:
-        return LatentDims(self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_dim)
+        return LatentDims(self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_dim, self.num_heads,
+                          self.kv_b_proj.weight.element_size())
 
     def kv_spec(self, cache_dtype: str):
         """One latent vector per token (turnout/kv/spec.py), the same on every rank."""

@@ -10,9 +10,9 @@ fresh prompt always, a chunk over a cached prefix from about 170 new tokens.
 The choice is made per sequence, once per step, before the layers run (``plan_latent_prefill``, called by the
 model's forward; the plan rides in ``AttentionMetadata.latent_prefill`` to every layer): a sequence with more
 than one new token goes decompressed where the FLOPs above say so (``mode="auto"``), always (``"decompressed"``)
-or never (``"absorbed"``); one-token sequences (decode) stay absorbed. Only ``DECOMPRESS_MAX_KEYS`` context tokens
-per step are decompressed (the per-head keys and values are materialised, not chunked); further sequences run
-absorbed. Prefix hits and earlier chunks need nothing special: the whole context is read back from the latent
+or never (``"absorbed"``); one-token sequences (decode) stay absorbed. The per-head keys and values are materialised
+for the whole context (not chunked), so a step decompresses at most ``DECOMPRESS_WORKSPACE_BYTES`` of them
+(``LatentDims.max_keys``); further sequences run absorbed. Prefix hits and earlier chunks need nothing special: the whole context is read back from the latent
 cache (``mla_gather_cache``, after this step's rows were written), so an fp8 cache is read as the absorbed
 path reads it (its rows times ``kv_scale``).
 """
@@ -26,7 +26,10 @@ from dataclasses import dataclass
 import torch
 
 MLA_PREFILL_MODES = ("auto", "absorbed", "decompressed")
-DECOMPRESS_MAX_KEYS = 16384  # context tokens decompressed per step: bounds the [S, H, Dn + R + Dv] workspace
+# The decompressed sequences' per-head keys and values are materialised for the whole context (not chunked with
+# log-sum-exp merging as vLLM's workspace is): their bytes per step are bounded here; sequences past the bound run
+# absorbed. 16 heads of DeepSeek's shape in bf16 (V2-Lite, or V3 at TP=8): 15.5 KB a key, 17k keys.
+DECOMPRESS_WORKSPACE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,15 @@ class LatentDims:
     rope_dim: int
     nope_dim: int
     v_dim: int
+    num_heads: int = 1  # this rank's
+    elem_bytes: int = 2  # the compute dtype's
+
+    @property
+    def max_keys(self) -> int:
+        """Context tokens one step may decompress: the gathered row (L + R), and per head k_nope + v out of
+        kv_b_proj and the key (Dn + R) built from them."""
+        per_key = self.kv_lora_rank + self.rope_dim + self.num_heads * (2 * self.nope_dim + self.rope_dim + self.v_dim)
+        return DECOMPRESS_WORKSPACE_BYTES // (per_key * self.elem_bytes)
 
 
 def decompress_pays(n: int, ctx: int, d: LatentDims) -> bool:
@@ -75,7 +87,7 @@ def plan_latent_prefill(meta, mode: str, dims: LatentDims) -> LatentPrefillPlan 
     chosen, rest, keys = [], [], 0
     for b, ctx in enumerate(lens):
         n = qsl[b + 1] - qsl[b]
-        if n > 1 and keys + ctx <= DECOMPRESS_MAX_KEYS and (mode == "decompressed" or decompress_pays(n, ctx, dims)):
+        if n > 1 and keys + ctx <= dims.max_keys and (mode == "decompressed" or decompress_pays(n, ctx, dims)):
             chosen.append(b)
             keys += ctx
         else:
