@@ -25,7 +25,12 @@ from turnout import LLM, SamplingParams, envs  # noqa: E402
 from turnout.kv.spec import CacheLayout  # noqa: E402
 from turnout.layers.attention import AttentionMetadata  # noqa: E402
 from turnout.layers.fusion import FusionPlan  # noqa: E402
-from turnout.layers.mla_prefill import LatentDims, decompress_pays, plan_latent_prefill  # noqa: E402
+from turnout.layers.mla_prefill import (  # noqa: E402
+    DECOMPRESS_WORKSPACE_BYTES,
+    LatentDims,
+    decompress_pays,
+    plan_latent_prefill,
+)  # noqa: E402
 from turnout.loader import load_model  # noqa: E402
 from turnout.ops import Policy, resolve  # noqa: E402
 from turnout.platforms.detect import detect_platform  # noqa: E402
@@ -226,11 +231,12 @@ def test_the_flops_rule_and_the_plan():
     assert plan_latent_prefill(no_host, "decompressed", v3) is None
     with pytest.raises(ValueError, match="mla_prefill"):
         FusionPlan(mla_prefill="mha")
-    # the decompressed keys and values of a step are bounded in bytes: 16 heads of DeepSeek's shape in bf16, 17k
-    # keys; a sequence past the bound runs absorbed
-    assert LatentDims(512, 64, 128, 128, num_heads=16, elem_bytes=2).max_keys == (256 << 20) // (2 * (576 + 16 * 448))
-    narrow = LatentDims(512, 64, 128, 128, num_heads=10000)
-    assert narrow.max_keys == 29
+    # the decompressed keys and values of a step are bounded in bytes (16 heads of DeepSeek's shape in bf16: 34k
+    # keys); a sequence past the bound runs absorbed
+    per_key = 2 * (576 + 16 * (2 * 128 + 64 + 128))
+    assert LatentDims(512, 64, 128, 128, num_heads=16, elem_bytes=2).max_keys == DECOMPRESS_WORKSPACE_BYTES // per_key
+    narrow = LatentDims(512, 64, 128, 128, num_heads=20000)
+    assert narrow.max_keys == DECOMPRESS_WORKSPACE_BYTES // (2 * (576 + 20000 * 448)) == 29
     two = AttentionMetadata(slot_mapping=torch.arange(35), block_tables=tables[:2],
                             seq_lens=torch.tensor([20, 15], dtype=torch.int32),
                             query_start_loc=torch.tensor([0, 20, 35], dtype=torch.int32), max_query_len=20,

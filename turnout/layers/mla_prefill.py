@@ -28,8 +28,8 @@ import torch
 MLA_PREFILL_MODES = ("auto", "absorbed", "decompressed")
 # The decompressed sequences' per-head keys and values are materialised for the whole context (not chunked with
 # log-sum-exp merging as vLLM's workspace is): their bytes per step are bounded here; sequences past the bound run
-# absorbed. 16 heads of DeepSeek's shape in bf16 (V2-Lite, or V3 at TP=8): 15.5 KB a key, 17k keys.
-DECOMPRESS_WORKSPACE_BYTES = 256 << 20
+# absorbed. DeepSeek's shape in bf16: 16 heads (V2-Lite, or V3 at TP=8) 15.5 KB a key, 34k keys; 128 heads 4.6k.
+DECOMPRESS_WORKSPACE_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
