@@ -243,3 +243,48 @@ def test_the_flops_rule_and_the_plan():
                             max_seq_len=20, seq_lens_host=(20, 15), query_start_loc_host=(0, 20, 35))
     plan = plan_latent_prefill(two, "decompressed", narrow)
     assert plan.total_keys == 20 and plan.absorbed_tokens.tolist() == list(range(20, 35))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_bf16_both_paths_near_transformers(kind, checkpoints):
+    """On the GPU's op table (Triton gather and varlen attention) in bfloat16: three packed prompts down each path,
+    last-position logits near transformers' bf16 and near each other."""
+    import copy
+
+    path, hf = checkpoints[kind]
+    ps = prompts()
+    peer = copy.deepcopy(hf).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        theirs = torch.stack([peer(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu() for p in ps])
+    del peer
+    got = {}
+    for mode in MODES:
+        model = load_model(path, dtype=torch.bfloat16, device="cuda", ops=resolve(detect_platform("cuda")),
+                           plan=FusionPlan(mla_prefill=mode)).model
+        assert model.ops.chosen("varlen_attention") == "triton.default"
+        lens = [len(p) for p in ps]
+        nb = [-(-n // BLOCK) for n in lens]
+        caches = allocate_caches(CacheLayout(tuple(model.kv_specs("bfloat16"))), sum(nb), BLOCK, 1, "cuda")
+        tables = torch.zeros(len(ps), max(nb), dtype=torch.int32)
+        starts = [0]
+        for i, n in enumerate(nb):
+            tables[i, :n] = torch.arange(starts[-1], starts[-1] + n)
+            starts.append(starts[-1] + n)
+        slots = [int(tables[b, j // BLOCK]) * BLOCK + j % BLOCK for b, n in enumerate(lens) for j in range(n)]
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device="cuda"), block_tables=tables.cuda(),
+                                 seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                 query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+                                 max_query_len=max(lens), max_seq_len=max(lens), seq_lens_host=tuple(lens),
+                                 query_start_loc_host=tuple(qsl))
+        pos = torch.tensor([j for n in lens for j in range(n)], device="cuda")
+        with torch.inference_mode():
+            out = model.compute_logits(model(torch.tensor(sum(ps, []), device="cuda"), pos, caches, meta))
+        got[mode] = out[torch.tensor(qsl[1:]) - 1].float().cpu()
+    for mode, ours in got.items():
+        assert (ours - theirs).abs().max() <= 3e-2 * theirs.abs().max(), mode
+    assert (got["absorbed"] - got["decompressed"]).abs().max() <= 3e-2 * theirs.abs().max()
