@@ -97,7 +97,16 @@ def plan_latent_prefill(meta, mode: str, dims: LatentDims) -> LatentPrefillPlan 
     dev = meta.seq_lens.device
 
     def ints(values, dtype=torch.int32):
-        return torch.tensor(values, dtype=dtype, device=dev)
+        host = torch.tensor(values, dtype=dtype)
+        if dev.type == "cpu":
+            return host
+        # pinned and non-blocking: a pageable copy would wait for the device (the previous step, under async
+        # scheduling) before this step's layers are launched
+        try:
+            host = host.pin_memory()
+        except RuntimeError:  # a device without pinned host memory: a plain copy
+            return host.to(dev)
+        return host.to(dev, non_blocking=True)
 
     def rows(seqs):
         return ints(list(itertools.chain.from_iterable(range(qsl[b], qsl[b + 1]) for b in seqs)), torch.int64)
