@@ -23,6 +23,7 @@ BAD = {
     "TURNOUT_ATTN_DECODE": ['{"block_n": 48}', '{"block_n": 8}', '{"num_warps": 0}', '{"num_stages": "2"}',
                             '{"splits": 2}', "3"],
     "TURNOUT_ROPE_ATTENTION": ["off please"],
+    "TURNOUT_MLA_PREFILL": ["mha", "1"],
     "TURNOUT_BENCH_CONFIGS": ["/no/such/directory/turnout"],
     "TRITON_INTERPRET": ["sometimes"],
     "RANK": ["-1", "one"],
@@ -43,13 +44,13 @@ def test_typed_values(tmp_path):
         "TURNOUT_SMALL_M_TILES": '{"2048,4096": [8, 1024, 4, 4]}',
         "TURNOUT_MOE_DECODE_CONFIG": '{"block_n2": 16, "num_stages2": null, "one_token": 0}',
         "TURNOUT_ATTN_DECODE": '{"num_splits": 1, "block_n": 128}', "TURNOUT_ROPE_ATTENTION": "false",
-        "TURNOUT_API_KEY": "sk-1", "TURNOUT_BENCH_CONFIGS": str(tmp_path), "TRITON_INTERPRET": "1"})
+        "TURNOUT_MLA_PREFILL": " Decompressed ", "TURNOUT_API_KEY": "sk-1", "TURNOUT_BENCH_CONFIGS": str(tmp_path), "TRITON_INTERPRET": "1"})
     assert e.ops == "rms_norm=reference.torch" and e.pdl is False and e.pdl_early == {"linear", "attention"}
     assert dict(e.small_m_tiles) == {(2048, 4096): (8, 1024, 4, 4)}
     assert dict(e.moe_decode_config) == {"block_n2": 16, "num_stages2": None, "one_token": 0}
     assert dict(e.attn_decode) == {"num_splits": 1, "block_n": 128}
     assert e.rope_attention is False and e.api_key == "sk-1" and e.bench_configs == tmp_path
-    assert e.triton_interpret is True
+    assert e.triton_interpret is True and e.mla_prefill == "decompressed"
     # an empty value is unset, except TURNOUT_PDL_EARLY, where empty means "no kernel" (unset: the default)
     blank = envs.load({name: "" for name in envs.VARIABLES})
     assert blank == envs.Envs(pdl_early=frozenset())

@@ -26,7 +26,7 @@ ATTN_DECODE_KEYS = ("num_splits", "block_n", "num_warps", "num_stages")
 
 # Every variable this module reads (docs/architecture.md lists each; tests/test_envs.py checks both).
 VARIABLES = ("TURNOUT_OPS", "TURNOUT_PDL", "TURNOUT_PDL_EARLY", "TURNOUT_SMALL_M_TILES", "TURNOUT_MOE_DECODE_CONFIG",
-             "TURNOUT_ATTN_DECODE", "TURNOUT_ROPE_ATTENTION", "TURNOUT_API_KEY", "TURNOUT_BENCH_CONFIGS",
+             "TURNOUT_ATTN_DECODE", "TURNOUT_ROPE_ATTENTION", "TURNOUT_MLA_PREFILL", "TURNOUT_API_KEY", "TURNOUT_BENCH_CONFIGS",
              "TRITON_INTERPRET", "RANK", "RAY_LOCAL_WORLD_SIZE")
 
 _TRUE = ("1", "true", "yes", "on")
@@ -48,6 +48,8 @@ class Envs:
     # TURNOUT_ATTN_DECODE: decode attention's num_splits / block_n / num_warps / num_stages
     attn_decode: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     rope_attention: bool = True  # TURNOUT_ROPE_ATTENTION: q/k norm + RoPE + cache write inside decode attention
+    # TURNOUT_MLA_PREFILL: latent attention's prefill, auto (by FLOPs) | absorbed | decompressed (layers/mla_prefill.py)
+    mla_prefill: str = "auto"
     api_key: str | None = None  # TURNOUT_API_KEY: `turnout serve --api-key` default
     bench_configs: Path | None = None  # TURNOUT_BENCH_CONFIGS: an extra directory of benchmark model configs
     triton_interpret: bool = False  # TRITON_INTERPRET: Triton kernels run in the interpreter (CPU tests)
@@ -74,6 +76,16 @@ def _bool(environ, name: str, default: bool) -> bool:
     if text.lower() in _FALSE:
         return False
     raise ValueError(f"{name} must be one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}, got {environ[name]!r}")
+
+
+def _choice(environ, name: str, values: tuple[str, ...]) -> str:
+    """One of ``values`` (unset: the first)."""
+    text = _text(environ, name)
+    if text is None:
+        return values[0]
+    if text.strip().lower() not in values:
+        raise ValueError(f"{name}={text!r}: expected one of {', '.join(values)}")
+    return text.strip().lower()
 
 
 def _json_object(environ, name: str) -> dict:
@@ -180,6 +192,7 @@ def load(environ: Mapping[str, str] | None = None) -> Envs:
         moe_decode_config=_moe_decode_config(environ),
         attn_decode=_attn_decode(environ),
         rope_attention=_bool(environ, "TURNOUT_ROPE_ATTENTION", True),
+        mla_prefill=_choice(environ, "TURNOUT_MLA_PREFILL", ("auto", "absorbed", "decompressed")),
         api_key=_text(environ, "TURNOUT_API_KEY"),
         bench_configs=_directory(environ, "TURNOUT_BENCH_CONFIGS"),
         triton_interpret=_bool(environ, "TRITON_INTERPRET", False),

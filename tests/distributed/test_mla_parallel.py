@@ -1,8 +1,9 @@
 """The latent-attention families split over two gloo ranks: a DeepSeek-V3-shaped tiny model (q_lora, grouped
 noaux_tc routing with a correction bias, shared experts, YaRN) under tensor parallelism (heads split, the latent
 projections replicated, every rank holding the same latent cache for its own heads) and with the experts split by
-id (expert parallelism), each generating greedily through the paged latent cache: every step's logits within 1e-5
-of one process's, tokens identical; one process equals transformers (tests/models/test_mla_vs_hf.py)."""
+id (expert parallelism), each generating greedily through the paged latent cache (the prefill decompressed, each
+rank through its own heads of kv_b_proj; decode absorbed): every step's logits within 1e-5 of one process's, tokens
+identical; one process equals transformers (tests/models/test_mla_vs_hf.py, tests/models/test_mla_prefill.py)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,8 @@ def greedy_run(model, config, prompts: list[list[int]], steps: int):
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([slot(b, i) for b, n in enumerate(lens) for i in range(n)]),
         block_tables=block_tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32), max_query_len=max(lens), max_seq_len=max(lens))
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), max_query_len=max(lens), max_seq_len=max(lens),
+        seq_lens_host=tuple(lens), query_start_loc_host=tuple(qsl))  # latent attention: its prefill decompressed
     ids = torch.tensor([t for p in prompts for t in p])
     positions = torch.tensor([i for n in lens for i in range(n)])
     all_logits, tokens = [], []
@@ -60,7 +61,8 @@ def greedy_run(model, config, prompts: list[list[int]], steps: int):
                 slot_mapping=torch.tensor([slot(b, n) for b, n in enumerate(cur)]), block_tables=block_tables,
                 seq_lens=torch.tensor([n + 1 for n in cur], dtype=torch.int32),
                 query_start_loc=torch.arange(len(cur) + 1, dtype=torch.int32), max_query_len=1,
-                max_seq_len=max(cur) + 1)
+                max_seq_len=max(cur) + 1, seq_lens_host=tuple(n + 1 for n in cur),
+                query_start_loc_host=tuple(range(len(cur) + 1)))
             logits = model.compute_logits(model(nxt, torch.tensor(cur), caches, meta))  # [B, V]
             all_logits.append(logits)
             nxt = logits.argmax(-1)

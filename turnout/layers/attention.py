@@ -27,6 +27,12 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32, each sequence's slice of the T new tokens
     max_query_len: int  # host ints: kernels size their grids without a device sync
     max_seq_len: int
+    # Host copies of seq_lens / query_start_loc where the builder has them (the model runner): a model that plans
+    # its step from the lengths (latent attention's decompressed prefill) reads them instead of syncing the device
+    seq_lens_host: tuple[int, ...] | None = None
+    query_start_loc_host: tuple[int, ...] | None = None
+    # The latent-attention model's per-step plan (turnout/layers/mla_prefill.py), made by its forward; None elsewhere
+    latent_prefill: object | None = None
 
     @property
     def num_seqs(self) -> int:

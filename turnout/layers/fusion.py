@@ -47,6 +47,9 @@ class FusionPlan:
     linear_quant: object | None = None
     # Likewise for the routed MoE experts (turnout/quant/moe_fp8.py; None: in the compute dtype).
     experts_quant: object | None = None
+    # Not a fusion either: latent attention's prefill (turnout/layers/mla_prefill.py), auto | absorbed |
+    # decompressed; from TURNOUT_MLA_PREFILL on every platform
+    mla_prefill: str = "auto"
 
     def __post_init__(self):
         if self.all_linear and (self.one_row_linear or self.rope_attention):
@@ -54,6 +57,11 @@ class FusionPlan:
         if self.prenorm_linear and not self.one_row_linear:
             raise ValueError("FusionPlan: prenorm_linear needs one_row_linear (the fused kernel is the one-row "
                              "projection's)")
+        from turnout.layers.mla_prefill import MLA_PREFILL_MODES
+
+        if self.mla_prefill not in MLA_PREFILL_MODES:
+            raise ValueError(f"FusionPlan: mla_prefill {self.mla_prefill!r}: expected one of "
+                             f"{', '.join(MLA_PREFILL_MODES)}")
 
     def fuses_prenorm(self, n: int, k: int) -> bool:
         """Whether a one-row projection of weight [n, k] computes a pending pre-norm itself."""
@@ -83,17 +91,19 @@ def _claim(ops, op: str) -> Callable[..., bool] | None:
 def plan_fusions(ops, rope_attention: bool | None = None) -> FusionPlan:
     """The plan for a model run with op table ``ops``. ``rope_attention``: None reads TURNOUT_ROPE_ATTENTION
     (turnout.envs); False keeps q/k norm, RoPE and the cache write outside the attention kernel. Under a
-    batch-invariant policy: ``all_linear`` and nothing else, on every platform."""
-    if getattr(ops.policy, "batch_invariant", False):
-        return FusionPlan(all_linear=True)
-    if not ops.platform.is_gpu:  # on the host the fused kernels are the Triton interpreter's: tests only
-        return NO_FUSIONS
-    if rope_attention is None:
-        from turnout import envs
+    batch-invariant policy: ``all_linear`` and nothing else, on every platform. ``mla_prefill``: always
+    TURNOUT_MLA_PREFILL's."""
+    from turnout import envs
 
+    mla_prefill = envs.get().mla_prefill
+    if getattr(ops.policy, "batch_invariant", False):
+        return FusionPlan(all_linear=True, mla_prefill=mla_prefill)
+    if not ops.platform.is_gpu:  # on the host the fused kernels are the Triton interpreter's: tests only
+        return FusionPlan(mla_prefill=mla_prefill)
+    if rope_attention is None:
         rope_attention = envs.get().rope_attention
     one_row = _claim(ops, "small_m_linear")
     prenorm = _claim(ops, "add_rms_norm_linear") if one_row is not None else None
     rope = _claim(ops, "rotary_paged_attention") if rope_attention else None
     return FusionPlan(one_row_linear=one_row is not None, prenorm_linear=prenorm is not None, prenorm_pays=prenorm,
-                      rope_attention=rope is not None)
+                      rope_attention=rope is not None, mla_prefill=mla_prefill)

@@ -7,8 +7,10 @@ only (c, rotated k_pe): one ``LatentSpec`` vector per token (turnout/kv/spec.py)
 
 Attention is absorbed (turnout/ops/reference/mla.py): each head's no-rope query is taken into the latent space
 with its W_UK (the first Dn rows of its slice of ``kv_b_proj``), attends over the latent cache
-(``ops.mla_paged_attention``, prefill and decode alike), and its latent output is taken back with its W_UV (the
-last Dv rows), then ``o_proj``. W_UK / W_UV are views of ``kv_b_proj.weight``, so a weight update reaches them.
+(``ops.mla_paged_attention``), and its latent output is taken back with its W_UV (the last Dv rows), then
+``o_proj``. W_UK / W_UV are views of ``kv_b_proj.weight``, so a weight update reaches them. Decode always; a
+prefill sequence where the step's plan (``meta.latent_prefill``, turnout/layers/mla_prefill.py) does not
+decompress its context into per-head keys and values instead.
 
 The softmax scale is transformers' ``yarn_apply_mscale``: (Dn + R)^-0.5, times mscale(factor, mscale_all_dim)^2
 under YaRN; the cos/sin cache carries YaRN's own attention factor (turnout/layers/rotary.py, from transformers'
@@ -32,6 +34,7 @@ from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.attention import AttentionMetadata, _kv_scale
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.linear import ColumnParallelLinear, RowParallelLinear
+from turnout.layers.mla_prefill import LatentDims, decompressed_attention
 from turnout.layers.norm import RMSNorm
 from turnout.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -158,13 +161,38 @@ class MLAAttention(nn.Module):
         (latent_cache,) = kv_cache  # [NB, BS, L + R]
         kw = self.cache_kwargs
         self.ops.mla_reshape_and_cache(kv_c, k_pe.view(t, self.rope_dim), latent_cache, meta.slot_mapping, **kw)
+        plan = meta.latent_prefill
+        if plan is None:
+            o = self.absorbed(q_nope, q_pe, latent_cache, meta)
+        else:  # this step's prefill sequences decompressed, the rest absorbed (turnout/layers/mla_prefill.py)
+            rows = plan.tokens
+            o_dec = decompressed_attention(self, q_nope if rows is None else q_nope[rows],
+                                           q_pe if rows is None else q_pe[rows], latent_cache, plan)
+            if rows is None:
+                o = o_dec
+            else:
+                o = q_nope.new_empty((t, self.num_heads, self.v_dim))
+                o[rows] = o_dec
+                a_rows = plan.absorbed_tokens
+                o[a_rows] = self.absorbed(q_nope[a_rows], q_pe[a_rows], latent_cache, plan.absorbed_meta)
+        return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+
+    def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Absorbed attention of the tokens meta describes -> [T, H, Dv]: queries into the latent space with W_UK,
+        ``mla_paged_attention``, the latent outputs back with W_UV."""
         w_uk, w_uv = self.absorbed_weights()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, T, Dn] x [H, Dn, L] -> [T, H, L]
         o_lat = self.ops.mla_paged_attention(q_lat.contiguous(), q_pe, latent_cache, meta.block_tables,
                                              meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                                             meta.max_seq_len, self.scale, **kw)  # [T, H, L]
+                                             meta.max_seq_len, self.scale, **self.cache_kwargs)  # [T, H, L]
         o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, L] x [H, L, Dv] -> [H, T, Dv]
-        return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
+        return o.transpose(0, 1)
+
+    @property
+    def latent_dims(self) -> LatentDims:
+        return LatentDims(self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_dim, self.num_heads,
+                          self.kv_b_proj.weight.element_size())
 
     def kv_spec(self, cache_dtype: str):
         """One latent vector per token (turnout/kv/spec.py), the same on every rank."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from turnout.loader.hf_config import config_of, load_config
+from turnout.loader.remote_configs import refuse_remote_tokenizer
 from turnout.loader.source import ModelSource, default_model_path, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ def _load_tokenizer(src: ModelSource, tokenizer, reader=None):
     if tokenizer is not None:
         from transformers import AutoTokenizer
 
+        if Path(tokenizer).is_dir():
+            refuse_remote_tokenizer(Path(tokenizer))
         return AutoTokenizer.from_pretrained(str(tokenizer))
     if src.kind == "gguf":
         from turnout.loader import gguf
@@ -89,6 +92,7 @@ def _load_tokenizer(src: ModelSource, tokenizer, reader=None):
         return None
     from transformers import AutoTokenizer
 
+    refuse_remote_tokenizer(src.path)  # before AutoTokenizer asks to run the repository's code
     return AutoTokenizer.from_pretrained(str(src.path))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from turnout.loader.remote_configs import read_as_public
 from turnout.loader.source import ModelSource, resolve_source
 
 
@@ -13,6 +14,8 @@ def load_config(src: ModelSource):
         from turnout.loader import gguf
 
         config = gguf.load_config(src.path)
+    elif (config := read_as_public(src.path)) is not None:  # a remote-code model type with public fields
+        pass
     else:
         from transformers import AutoConfig
 

@@ -19,9 +19,12 @@ does not use, an unknown ``mlp_layer_types`` entry.
 
 from __future__ import annotations
 
+import dataclasses
+
 from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.layers.mla import MLAAttention, dequantize_latent_up
+from turnout.layers.mla_prefill import plan_latent_prefill
 from turnout.layers.moe.experts import expert_weight_rules
 from turnout.layers.moe.layer import is_moe_layer
 from turnout.models.moe_decoder import MoeDecoderForCausalLM
@@ -60,6 +63,7 @@ class DeepseekV2ForCausalLM(MoeDecoderForCausalLM):
             raise ValueError(f"batch_invariant: {type(self).__name__}'s latent attention has no batch-invariant "
                              "implementation yet; use batch_invariant=False")
         super().__init__(config, ops, plan, tp, expert_parallel)
+        self.mla_prefill = plan.mla_prefill
         n_mtp = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
         self.mtp = MultiTokenPredictor(config, ops, self, plan, n_mtp) if n_mtp else None
 
@@ -73,6 +77,14 @@ class DeepseekV2ForCausalLM(MoeDecoderForCausalLM):
 
     def is_sparse(self, config, layer_idx: int) -> bool:
         return is_moe_layer(config, layer_idx)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        """The decoder's forward with this step's prefill plan (absorbed or decompressed per sequence,
+        turnout/layers/mla_prefill.py) made once, for every layer."""
+        plan = plan_latent_prefill(meta, self.mla_prefill, self.model.layers[0].self_attn.latent_dims)
+        if plan is not None:
+            meta = dataclasses.replace(meta, latent_prefill=plan)
+        return super().forward(input_ids, positions, kv_caches, meta)
 
     def make_mlp(self, config, layer_idx: int, ops, plan: FusionPlan = NO_FUSIONS):
         if not self.is_sparse(config, layer_idx):

@@ -25,7 +25,7 @@ FP8_KV = torch.float8_e4m3fn
 FP8_KV_MAX = 448.0
 # the ops whose implementations quantise into or dequantise out of the cache
 FP8_KV_OPS = ("reshape_and_cache", "qk_norm_rotary_cache", "paged_attention", "rotary_paged_attention",
-              "mla_reshape_and_cache", "mla_paged_attention")
+              "mla_reshape_and_cache", "mla_paged_attention", "mla_gather_cache")
 
 
 def cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -31,7 +31,7 @@ def probe_forward(runner, tokens: int):
         block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
         seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
         query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
-        max_query_len=tokens, max_seq_len=tokens)
+        max_query_len=tokens, max_seq_len=tokens, seq_lens_host=(tokens,), query_start_loc_host=(0, tokens))
     ids = torch.zeros(tokens, dtype=torch.long, device=dev)
     pos = torch.arange(tokens, device=dev)
     return lambda caches: r.model(ids, pos, caches, meta)

@@ -113,7 +113,7 @@ def profile_gpu_budget(runner) -> int:
         block_tables=torch.arange(scratch_blocks, dtype=torch.int32, device=dev)[None],
         seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        max_query_len=n, max_seq_len=n)
+        max_query_len=n, max_seq_len=n)  # no host lengths: latent attention runs absorbed, its larger peak at n keys
     with torch.inference_mode():
         hidden = runner.model(ids, torch.arange(n, device=dev), scratch, meta)
         runner.model.compute_logits(hidden[-profile_rows(runner.config):])

@@ -151,7 +151,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=t(slots, torch.long), block_tables=t(tables, torch.int32),
                                  seq_lens=t(lens, torch.int32), query_start_loc=t(qsl, torch.int32),
                                  max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(lens))),
-                                 max_seq_len=max(lens))
+                                 max_seq_len=max(lens), seq_lens_host=tuple(lens), query_start_loc_host=tuple(qsl))
         return t(ids, torch.long), t(pos, torch.long), meta, sample_idx
 
     def _entry_inputs(self, s: ScheduledRequest) -> tuple[list[int], list[int]]:

@@ -47,7 +47,8 @@ def decode_step(msg: bytes):
     sizes = [n_tok, n_tok, n_tok, n_seqs * max_blocks, n_seqs, n_seqs + 1, n_sample]
     ids, pos, slots, tables, lens, qsl, sample = flat[_HEADER:].split(sizes)
     meta = AttentionMetadata(slot_mapping=slots.clone(), block_tables=tables.view(n_seqs, max_blocks).int(),
-                             seq_lens=lens.int(), query_start_loc=qsl.int(), max_query_len=max_q, max_seq_len=max_s)
+                             seq_lens=lens.int(), query_start_loc=qsl.int(), max_query_len=max_q, max_seq_len=max_s,
+                             seq_lens_host=tuple(lens.tolist()), query_start_loc_host=tuple(qsl.tolist()))
     # has_lanes: 0 no logits, 1 logits, 3 logits from an eager forward (the driver records routing)
     return ids.clone(), pos.clone(), meta, sample.tolist(), int(has_lanes), bool(pending)
 

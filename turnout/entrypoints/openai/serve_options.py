@@ -106,6 +106,10 @@ def refuse_remote_code(model: str | None, trust_remote_code: bool) -> None:
     model_type = cfg.get("model_type")
     if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
         return  # transformers has its own class for it; auto_map is not needed
+    from turnout.loader.remote_configs import READ_AS
+
+    if model_type in READ_AS:
+        return  # read with a public transformers class (Kimi-K2: DeepseekV3Config); the loader checks its fields
     flag = "--trust-remote-code is accepted, but" if trust_remote_code else "and"
     raise ValueError(f"model {model!r}: its config needs the model repository's own code (auto_map: "
                      f"{', '.join(sorted(auto_map))}; model_type {model_type!r} is not one transformers "

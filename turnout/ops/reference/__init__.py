@@ -13,6 +13,7 @@ def all_specs() -> list[OpSpec]:
         fp8,
         linear,
         mla,
+        mla_prefill,
         moe,
         moe_biased,
         moe_fp8,
@@ -34,4 +35,5 @@ def all_specs() -> list[OpSpec]:
             collectives.ALL_REDUCE, collectives.ALL_GATHER, collectives.REDUCE_SCATTER, collectives.ALL_TO_ALL,
             fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR, moe_fp8.MOE_EXPERTS_FP8,
             mla.MLA_RESHAPE_AND_CACHE, mla.MLA_PAGED_ATTENTION,
+            mla_prefill.MLA_GATHER_CACHE, mla_prefill.VARLEN_ATTENTION,
             moe_biased.MOE_EXPERTS_BIASED, w4a16.W4A16_LINEAR]

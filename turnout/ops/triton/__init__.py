@@ -38,6 +38,8 @@ KERNELS: dict[str, str] = {
     "moe_experts_fp8": "moe_fp8:moe_experts_fp8",
     "mla_reshape_and_cache": "mla:mla_reshape_and_cache",
     "mla_paged_attention": "mla:mla_paged_attention",
+    "mla_gather_cache": "mla_prefill:mla_gather_cache",
+    "varlen_attention": "mla_prefill:varlen_attention",
     "moe_experts_biased": "moe_biased:moe_experts_biased",
     "w4a16_linear": "w4a16:w4a16_linear",
 }
