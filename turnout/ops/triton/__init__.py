@@ -40,6 +40,7 @@ KERNELS: dict[str, str] = {
     "mla_paged_attention": "mla:mla_paged_attention",
     "moe_experts_biased": "moe_biased:moe_experts_biased",
     "w4a16_linear": "w4a16:w4a16_linear",
+    "moe_experts_w4a16": "moe_w4a16:moe_experts_w4a16",
 }
 
 
