@@ -1,0 +1,164 @@
+"""4-bit MoE experts on CPU: tiny random Qwen3-MoE, Qwen2-MoE and Mixtral models written as AWQ, GPTQ (with and
+without desc_act) and compressed-tensors W4A16 checkpoints, experts packed per expert (tests/quant/
+w4_moe_checkpoints.py), equal HF transformers holding the exact dequantised weights (logits within 1e-4 of their
+range, greedy tokens identical); the experts stay 4-bit; TP=2 and EP=2 shards hold the slices of the one-rank
+model's experts; what is refused, naming the tensor or the size."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp8_checkpoints import forward_logits, greedy_walk
+from turnout.distributed.parallel_state import TPGroup
+from turnout.layers.fusion import NO_FUSIONS
+from turnout.layers.moe.experts import FusedExperts
+from turnout.loader import load_model
+from turnout.loader.safetensors import iter_safetensors, safetensors_files
+from turnout.models.registry import get_model_class
+from turnout.ops.reference.moe_w4a16 import dequantize_expert
+from turnout.quant import experts_quant, linear_quant
+from turnout.quant.moe_w4 import stack_names
+from w4_moe_checkpoints import make_hf, write_w4_moe_checkpoint
+
+
+@pytest.fixture(scope="module")
+def hf_models():
+    return {}
+
+
+def _hf(hf_models, family):
+    if family not in hf_models:
+        hf_models[family] = make_hf(family)
+    return hf_models[family]
+
+
+def _experts(model) -> list[FusedExperts]:
+    return [m for m in model.modules() if isinstance(m, FusedExperts)]
+
+
+def dequantised_experts(mod: FusedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E_local, 2 I_local, H], down [E_local, H, I_local]) float32 of a 4-bit experts layer, in the input's
+    column order."""
+    cfg = mod.quant.config
+    out = []
+    for stack in ("gate_up_proj", "down_proj"):
+        names = stack_names(cfg.fmt, stack)
+        q, sz, perm = getattr(mod, names["qweight"]), getattr(mod, names["scales"]), getattr(mod, f"{stack}_perm")
+        out.append(torch.stack([dequantize_expert(q[e], sz[e], cfg.group_size, None if perm is None else perm[e])
+                                for e in range(q.shape[0])]))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("family,fmt", [("qwen3_moe", "gptq_desc_act"), ("qwen3_moe", "ct_w4a16"),
+                                        ("qwen3_moe", "awq"), ("mixtral", "gptq"),
+                                        ("qwen2_moe", "ct_w4a16_asym_actorder")])
+def test_w4_moe_checkpoint_equals_the_dequantised_model(family, fmt, hf_models, ids, cpu_ops, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"{family}_{fmt}")
+    ref = write_w4_moe_checkpoint(_hf(hf_models, family), family, fmt, d)
+    loaded = load_model(str(d), ops=cpu_ops, device="cpu")
+    experts = _experts(loaded.model)
+    assert experts and all(not hasattr(m, "gate_up_proj") and m.quant is not None for m in experts)
+    names = stack_names(experts[0].quant.config.fmt, "gate_up_proj")
+    assert getattr(experts[0], names["qweight"]).dtype == torch.uint8
+    ours = forward_logits(loaded.model, loaded.hf_config, ids)
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    assert ((ours - want).abs().max() / want.abs().max()).item() < 1e-4
+    seq, hf_seq, margins, _ = greedy_walk(loaded, ref, ids[:8], steps=4)
+    assert torch.equal(seq, hf_seq), margins
+
+
+def _shard(path, config, cpu_ops, rank: int, world: int, ep: bool):
+    plan = replace(NO_FUSIONS, linear_quant=linear_quant(config, None, cpu_ops),
+                   experts_quant=experts_quant(config, None, cpu_ops))
+    model = get_model_class(config.architectures)(config, cpu_ops, plan, TPGroup(rank, world, group=object()),
+                                                  expert_parallel=ep)
+    model.load_weights(iter_safetensors(safetensors_files(path)))
+    return model
+
+
+def test_tensor_and_expert_parallel_shards_hold_slices(hf_models, cpu_ops, tmp_path_factory):
+    """TP=2: each rank's gate and up rows [r I/2, (r+1) I/2) and down columns (whole groups); EP=2: experts
+    [r E/2, (r+1) E/2) whole."""
+    d = tmp_path_factory.mktemp("shards_gptq")
+    write_w4_moe_checkpoint(_hf(hf_models, "qwen3_moe"), "qwen3_moe", "gptq", d)
+    whole = load_model(str(d), ops=cpu_ops, device="cpu").model
+    config = whole.config
+    full = [dequantised_experts(m) for m in _experts(whole)]
+    inter = config.moe_intermediate_size
+    for ep in (False, True):
+        for rank in range(2):
+            shard = _experts(_shard(d, config, cpu_ops, rank, 2, ep))
+            assert len(shard) == len(full)
+            for mod, (gate_up, down) in zip(shard, full):
+                got_gu, got_dn = dequantised_experts(mod)
+                if ep:
+                    half = gate_up.shape[0] // 2
+                    want_gu, want_dn = gate_up[rank * half:(rank + 1) * half], down[rank * half:(rank + 1) * half]
+                else:
+                    il = inter // 2
+                    want_gu = torch.cat([gate_up[:, rank * il:(rank + 1) * il],
+                                         gate_up[:, inter + rank * il:inter + (rank + 1) * il]], dim=1)
+                    want_dn = down[:, :, rank * il:(rank + 1) * il]
+                assert torch.equal(got_gu, want_gu) and torch.equal(got_dn, want_dn), (ep, rank)
+
+
+def test_activation_order_splits_experts_only_whole(cpu_ops):
+    """Activation order scatters down's groups over I: the experts refuse a TP split naming it; EP keeps them
+    whole and builds (a whole model is refused earlier, by its row-parallel o_proj: test_w4.py)."""
+    from turnout.quant.moe_w4 import W4MoeMethod
+    from turnout.quant.w4_config import W4Config
+
+    method = W4MoeMethod(W4Config("gptq", 128, True, True, 1, "GPTQ checkpoint"))
+    tp = TPGroup(0, 2, group=object())
+    with pytest.raises(ValueError, match="activation order .* enable_expert_parallel"):
+        FusedExperts(8, 256, 256, cpu_ops, tp=tp, quant=method)
+    ep = FusedExperts(8, 256, 256, cpu_ops, tp=tp, expert_parallel=True, quant=method)
+    assert ep.gate_up_proj_perm.shape == (4, 256) and ep.down_proj_perm.shape == (4, 256)
+
+
+def test_refusals_name_the_tensor_or_the_size(hf_models, cpu_ops, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad_awq")
+    write_w4_moe_checkpoint(_hf(hf_models, "qwen3_moe"), "qwen3_moe", "awq", d)
+    config = load_model(str(d), ops=cpu_ops, device="cpu").hf_config
+    # TP=4: 64 rows of each expert a rank, half a 128 group of down's input
+    with pytest.raises(ValueError, match=r"moe_intermediate_size 256 / tensor_parallel_size 4 = 64\) must be whole"):
+        _shard(d, config, cpu_ops, 0, 4, False)
+    tensors = load_file(str(d / "model.safetensors"))
+    name = "model.layers.2.mlp.experts.5.down_proj.scales"
+    tensors[name] = tensors[name][:1].contiguous()  # a group size the packed weight does not have
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{name}.*scales .* disagrees"):
+        load_model(str(d), ops=cpu_ops, device="cpu")
+
+
+@pytest.mark.parametrize("family,fmt", [("qwen3_moe", "gptq_desc_act")])
+def test_engine_greedy_equals_hf(family, fmt, hf_models, ids, tmp_path_factory):
+    """Through LLM (scheduler, paged cache, sampler), with vLLM's --quantization spelling: HF's greedy tokens on the
+    dequantised weights."""
+    from turnout import LLM, SamplingParams
+
+    d = tmp_path_factory.mktemp(f"engine_{family}_{fmt}")
+    ref = write_w4_moe_checkpoint(_hf(hf_models, family), family, fmt, d)
+    llm = LLM(str(d), device="cpu", quantization="gptq", kv_cache_memory=1 << 22)
+    out = llm.generate_tokens(ids[:8].tolist(), SamplingParams(max_tokens=6, temperature=0))
+    with torch.no_grad():
+        want = ref.generate(ids[:8][None], max_new_tokens=6, do_sample=False)[0, 8:]
+    assert list(out.token_ids) == want.tolist()
+
+
+def test_dummy_weights_fill_the_4bit_experts(cpu_ops):
+    """--load-format dummy with a 4-bit quantization_config (the GPU benchmark's model): finite logits."""
+    from w4_checkpoints import FORMATS
+    from w4_moe_checkpoints import tiny_config
+
+    cfg = tiny_config("qwen3_moe", quantization_config=FORMATS["awq"][0])
+    m = load_model(cfg, load_format="dummy", ops=cpu_ops, device="cpu").model
+    experts = _experts(m)[0]
+    assert experts.gate_up_proj_qweight.dtype == torch.uint8 and experts.gate_up_proj_qweight.float().std() > 50
+    logits = forward_logits(m, cfg, torch.arange(6))
+    assert torch.isfinite(logits).all() and logits.std() > 0
