@@ -65,13 +65,13 @@ def check_experts(hidden_size: int, w13_qweight: torch.Tensor, w13_scale_zeros: 
                     ("w2_scale_zeros", w2_scale_zeros)):
         if t.shape[0] != e:
             raise ValueError(f"{name}: {t.shape[0]} experts, w13_qweight has {e}")
+    for name, p, k in (("w13_perm", w13_perm, hidden_size), ("w2_perm", w2_perm, inter)):
+        if p is not None and tuple(p.shape) != (e, k):
+            raise ValueError(f"{name} {tuple(p.shape)} must be [{e}, {k}]")
     check_layout(hidden_size, w13_qweight[0], w13_scale_zeros[0], group_size,
                  None if w13_perm is None else w13_perm[0], "w13_qweight")
     n2 = check_layout(inter, w2_qweight[0], w2_scale_zeros[0], group_size,
                       None if w2_perm is None else w2_perm[0], "w2_qweight")
     if n2 != hidden_size:
         raise ValueError(f"w2_qweight: {n2} output rows, hidden size {hidden_size}")
-    for name, p, k in (("w13_perm", w13_perm, hidden_size), ("w2_perm", w2_perm, inter)):
-        if p is not None and tuple(p.shape) != (e, k):
-            raise ValueError(f"{name} {tuple(p.shape)} must be [{e}, {k}]")
     return e, inter
