@@ -1,6 +1,6 @@
 """The 4-bit Qwen3-MoE of test_w4_moe.py over real torch.distributed (gloo, 2 processes on 127.0.0.1, one thread
-each): tensor parallel (each rank 128 rows of every expert's gate and up, whole 64-row blocks, and one 128 group of
-its down's input) and expert parallel (four whole experts each), the ranks' partial sums through the all-reduce,
+each), GPTQ with groups of 64: tensor parallel (each rank 64 rows of every expert's gate and up, one 64-row block, and
+one group of its down's input) and expert parallel (two whole experts each), the ranks' partial sums through the all-reduce,
 equal to one process: the same float32 numbers added in another order (no activation is quantised, so no rounding
 tie can move a row as in the fp8 test)."""
 
@@ -49,7 +49,7 @@ def rank_main(rank: int, world: int, port: int, path: str, ids: torch.Tensor, ou
 
 
 def test_tensor_and_expert_parallel_equal_one_process(tmp_path):
-    write_w4_moe_checkpoint(make_hf("qwen3_moe"), "qwen3_moe", "awq", tmp_path)
+    write_w4_moe_checkpoint(make_hf("qwen3_moe"), "qwen3_moe", "gptq", tmp_path)
     ids = torch.randint(0, 384, (12,), generator=torch.Generator().manual_seed(4))
     (tmp_path / "out").mkdir()
     torch.set_num_threads(1)

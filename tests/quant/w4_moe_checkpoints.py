@@ -19,23 +19,24 @@ from fp8_checkpoints import LINEAR
 from w4_checkpoints import FORMATS, pack_linear
 
 EXPERTS = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_COMMON = dict(vocab_size=384, hidden_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4,
+_COMMON = dict(vocab_size=384, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
 def tiny_config(family: str, **over):
-    """Sizes on the 128 grid: TP=2 slices of the experts are whole 64-row blocks and whole 128 groups."""
+    """Small and on the 64 grid: TP=2 slices of every projection and expert are whole 64-row blocks (and whole groups
+    of 64); layer 1 of the Qwen families is dense (``mlp_only_layers``), so a dense 4-bit MLP follows the experts."""
     if family == "qwen3_moe":
-        cfg = dict(intermediate_size=512, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+        cfg = dict(intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
                    norm_topk_prob=True, mlp_only_layers=[1], architectures=["Qwen3MoeForCausalLM"])
         cls = transformers.Qwen3MoeConfig
     elif family == "qwen2_moe":
-        cfg = dict(intermediate_size=512, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+        cfg = dict(intermediate_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                   num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
                    architectures=["Qwen2MoeForCausalLM"])
         cls = transformers.Qwen2MoeConfig
     else:
-        cfg = dict(intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        cfg = dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
                    architectures=["MixtralForCausalLM"])
         cls = transformers.MixtralConfig
     return cls(**{**_COMMON, **cfg, **over})
