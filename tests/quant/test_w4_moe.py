@@ -171,3 +171,25 @@ def test_dummy_weights_fill_the_4bit_experts(cpu_ops):
     assert experts.gate_up_proj_qweight.dtype == torch.uint8 and experts.gate_up_proj_qweight.float().std() > 50
     logits = forward_logits(m, cfg, torch.arange(6))
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_triton_experts_equal_hf(checkpoints, ids):
+    """The experts through the Triton grouped kernel (TRITON_INTERPRET=1 on CPU, float32: ieee dots), the rest as
+    the CPU table has it: HF's logits on the dequantised weights, at a prefill and at one token."""
+    from turnout.ops import Policy, resolve
+    from turnout.ops.triton._tuning import interpreted
+    from turnout.platforms.detect import detect_platform
+
+    if not interpreted():
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU)")
+    platform = detect_platform("cpu")
+    ops = resolve(platform, Policy.from_sources("moe_experts_w4a16=triton.default", env={}, platform=platform))
+    assert ops.chosen("moe_experts_w4a16") == "triton.default"
+    d, ref = checkpoints("qwen3_moe", "gptq_desc_act")
+    loaded = load_model(str(d), ops=ops, device="cpu")
+    assert _experts(loaded.model)[0].quant_ops.chosen("moe_experts_w4a16") == "triton.default"
+    for n in (12, 1):
+        ours = forward_logits(loaded.model, loaded.hf_config, ids[:n])
+        with torch.no_grad():
+            want = ref(ids[:n][None]).logits[0]
+        assert ((ours - want).abs().max() / want.abs().max()).item() < 1e-4, n
