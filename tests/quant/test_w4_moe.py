@@ -193,3 +193,23 @@ def test_triton_experts_equal_hf(checkpoints, ids):
         with torch.no_grad():
             want = ref(ids[:n][None]).logits[0]
         assert ((ours - want).abs().max() / want.abs().max()).item() < 1e-4, n
+
+
+def test_tensor_order_does_not_matter(checkpoints, cpu_ops):
+    """desc_act: an expert's qweight read before its g_idx (the order unknown yet) is reordered when g_idx comes;
+    zero points before scales recompute the zeros: the experts equal those of the file's own order."""
+    d, _ = checkpoints("qwen3_moe", "gptq_desc_act")
+    whole = load_model(str(d), ops=cpu_ops, device="cpu").model
+    config = whole.config
+    plan = replace(NO_FUSIONS, linear_quant=linear_quant(config, None, cpu_ops),
+                   experts_quant=experts_quant(config, None, cpu_ops))
+    model = get_model_class(config.architectures)(config, cpu_ops, plan)
+    tensors = sorted(iter_safetensors(safetensors_files(d)), key=lambda kv: kv[0].endswith(("g_idx", "scales")))
+    names = [name for name, _ in tensors]
+    base = "model.layers.0.mlp.experts.1.gate_proj."
+    assert names.index(base + "qweight") < names.index(base + "g_idx")
+    assert names.index(base + "qzeros") < names.index(base + "scales")
+    model.load_weights(tensors)
+    for got, want in zip(_experts(model), _experts(whole)):
+        for a, b in zip(dequantised_experts(got), dequantised_experts(want)):
+            assert torch.equal(a, b)

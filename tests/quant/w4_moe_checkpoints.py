@@ -18,6 +18,9 @@ from safetensors.torch import save_file
 from fp8_checkpoints import LINEAR
 from w4_checkpoints import FORMATS, pack_linear
 
+# the dense tests' formats; GPTQ desc_act with groups of 32, so that the small experts here (K = 128) hold several
+# groups and the activation order really permutes them (one group of 128 would leave g_idx in natural order)
+MOE_FORMATS = {**FORMATS, "gptq_desc_act": ({**FORMATS["gptq_desc_act"][0], "group_size": 32}, False, True)}
 EXPERTS = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _COMMON = dict(vocab_size=384, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -66,13 +69,13 @@ def _expert_names(family: str, prefix: str) -> tuple[str, dict[str, str]]:
 
 
 def write_w4_moe_checkpoint(hf, family: str, fmt: str, out_dir, seed: int = 0):
-    """Write ``hf`` in ``fmt`` (w4_checkpoints.FORMATS) to ``out_dir``; return the HF model with the dequantised
+    """Write ``hf`` in ``fmt`` (MOE_FORMATS) to ``out_dir``; return the HF model with the dequantised
     weights."""
     gen = torch.Generator().manual_seed(seed)
     tensors, deq, perms = {}, {}, {}
 
     def put(base: str, w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-        packed, d = pack_linear(fmt, w, gen, perm)
+        packed, d = pack_linear(fmt, w, gen, perm, MOE_FORMATS)
         tensors.update({f"{base}.{suffix}": t.contiguous() for suffix, t in packed.items()})
         return d
 
@@ -101,7 +104,7 @@ def write_w4_moe_checkpoint(hf, family: str, fmt: str, out_dir, seed: int = 0):
             tensors[name] = w.contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"))
     config = hf.config.to_dict()
-    config["quantization_config"] = FORMATS[fmt][0]
+    config["quantization_config"] = MOE_FORMATS[fmt][0]
     (out_dir / "config.json").write_text(json.dumps(config))
     ref = transformers.AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32).eval()
     ref.load_state_dict({**hf.state_dict(), **deq})
