@@ -10,9 +10,13 @@ Parts (``--parts``, comma-separated; each writes OUTDIR/<part>.json as soon as i
   latency     turnout bench latency, batch 1, 128 in / 256 out, CUDA graphs, dummy weights: the model as an AWQ
               group-128 checkpoint (its config with an AWQ quantization_config), beside bf16 and --quantization fp8
   throughput  512 x (1024 in / 512 out), w4a16 beside bf16
+  moe         one Qwen3-30B-A3B-shaped routed-expert layer (128 experts, H 2048, I 768, top-8, group 128):
+              moe_experts_w4a16 (Triton) beside bf16 moe_experts at T = 1 ... 4096, against the copy ceiling of the
+              experts' bytes the routing touches (benchmarks/w4a16_moe.py)
 
     PYTHONPATH=$PWD python benchmarks/w4a16.py --out /tmp/w4 --parts kernels,latency
     PYTHONPATH=$PWD python benchmarks/w4a16.py --out /tmp/w4 --parts throughput
+    PYTHONPATH=$PWD python benchmarks/w4a16.py --out /tmp/w4 --parts moe
     PYTHONPATH=$PWD python benchmarks/w4a16.py --smoke          # tiny shapes on the CPU (the ops, no engine)
 
 ``--model``: a benchmarks/configs name or a config file / directory (default qwen3-8b).
@@ -161,7 +165,18 @@ def throughput(args) -> dict:
             "bf16": _bench(args, "throughput_bf16", thr, 250)}
 
 
-PARTS = {"kernels": kernels, "latency": latency, "throughput": throughput}
+def moe(args) -> dict:
+    from w4a16_moe import moe as moe_layer
+
+    from turnout.utils.roofline import copy_bandwidth
+
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    copy = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (1 << 26), 10)
+    result = moe_layer(args, _timer(dev), copy)
+    return {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "copy_GB_s": copy, **result}
+
+
+PARTS = {"kernels": kernels, "latency": latency, "throughput": throughput, "moe": moe}
 
 
 def main():
@@ -172,10 +187,10 @@ def main():
     ap.add_argument("--out", default="/tmp/w4a16")
     ap.add_argument("--parts", default="kernels,latency")
     ap.add_argument("--num-prompts", type=int, default=512)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: the kernels part only")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: the kernels and moe parts only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    parts = ["kernels"] if args.smoke else args.parts.split(",")
+    parts = ["kernels", "moe"] if args.smoke else args.parts.split(",")
     for part in parts:
         if part not in PARTS:
             raise SystemExit(f"--parts: unknown part {part!r} ({', '.join(PARTS)})")
@@ -185,6 +200,10 @@ def main():
             rows = [{"shape": k, **v} for k, v in result["decode"].items()]
             report(f"w4a16 one-row decode ({result['device']}, copy {result['copy_GB_s']:.0f} GB/s)", rows,
                    ["shape", "w4_us", "w4_GB_s", "w4_frac_copy", "bf16_us", "speedup_vs_bf16"], {"part": part})
+        elif part == "moe":
+            report(f"w4a16 MoE experts ({result['device']}, copy {result['copy_GB_s']:.0f} GB/s)", result["rows"],
+                   ["tokens", "active_experts", "w4_us", "w4_copy_ceiling_us", "w4_frac_copy", "bf16_us",
+                    "speedup_vs_bf16", "w4_TFLOP_s", "bf16_TFLOP_s"], {"part": part})
         else:
             print(f"JSON {json.dumps({'part': part, **result})}", flush=True)
 

@@ -97,10 +97,11 @@ FORMATS = {
 }
 
 
-def pack_linear(fmt: str, w: torch.Tensor, gen: torch.Generator, perm: torch.Tensor | None = None):
+def pack_linear(fmt: str, w: torch.Tensor, gen: torch.Generator, perm: torch.Tensor | None = None, formats=None):
     """One linear weight [N, K] in ``fmt``: ({suffix: tensor}, dequantised float32 weight). ``perm``: the activation
-    order (GPTQ orders the columns of projections reading the same input alike: one Hessian)."""
-    qc, sym, act = FORMATS[fmt]
+    order (GPTQ orders the columns of projections reading the same input alike: one Hessian). ``formats``: a table
+    like FORMATS (default) where ``fmt`` is looked up."""
+    qc, sym, act = (formats or FORMATS)[fmt]
     group = qc.get("group_size") or qc["config_groups"]["group_0"]["weights"]["group_size"]
     n, k = w.shape
     perm = (perm if perm is not None else torch.randperm(k, generator=gen)) if act else None

@@ -1,7 +1,7 @@
 """Quantised weights (fp8; 4-bit AWQ / GPTQ / compressed-tensors checkpoints, turnout/quant/w4.py). ``linear_quant(hf_config, quantization, ops)`` and ``experts_quant(...)`` are
 what the loader puts in the fusion plan (``FusionPlan.linear_quant`` / ``experts_quant``) before the model is built:
-the methods the linear layers (turnout/quant/fp8.py) and the routed MoE experts (turnout/quant/moe_fp8.py) create
-their parameters and run their forward with, or None.
+the methods the linear layers (turnout/quant/fp8.py, w4.py) and the routed MoE experts (turnout/quant/moe_fp8.py,
+moe_w4.py) create their parameters and run their forward with, or None.
 
 The arithmetic is in ops (turnout/ops/reference/fp8.py: ``quantize_fp8``, ``scaled_mm``,
 ``block_scaled_mm``, ``fp8_linear``; turnout/ops/reference/moe_fp8.py: ``moe_experts_fp8``), called by name through
@@ -65,6 +65,11 @@ def experts_quant(hf_config, quantization: str | None, ops):
     cfg = quant_config(hf_config, quantization)
     if cfg is None or not has_experts(hf_config):
         return None
+    if isinstance(cfg, W4Config):  # the experts in 4 bits too (turnout/quant/moe_w4.py)
+        from turnout.quant.moe_w4 import W4MoeMethod
+
+        logger.info("quantization of the MoE experts: %s; %s", cfg.describe(), _served_by(ops, "moe_experts_w4a16"))
+        return W4MoeMethod(cfg)
     method = Fp8MoeMethod(experts_config(cfg))
     logger.info("quantization of the MoE experts: %s; %s", method.describe(), _served_by(ops, "moe_experts_fp8"))
     return method

@@ -172,10 +172,6 @@ def _w4(hf_config, qc, method: str, quantization: str | None):
         _check_ignored(_get(qc, "ignore"), "quantization_config.ignore")
         cfg = w4_config.compressed_tensors_config(qc, where, weights)
     _check_ignored(_get(qc, "modules_to_not_convert"), "quantization_config.modules_to_not_convert")
-    experts = [f for f in _EXPERT_FIELDS if (getattr(hf_config, f, 0) or 0) > 0]
-    if experts:
-        _bad("quantization_config.quant_method", f"4-bit MoE experts ({experts[0]}="
-             f"{getattr(hf_config, experts[0])}) are not supported yet; {method!r} serves dense models")
     return cfg
 
 

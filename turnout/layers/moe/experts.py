@@ -19,9 +19,11 @@ takes this rank's slice of a full checkpoint tensor, per-expert or stacked:
 Either way ``forward`` returns this rank's partial sum of the routed output; the MoE block sums over the
 ranks with one ``all_reduce`` (with the shared expert's partial sum folded in).
 
-Quantised (``quant``: the plan's ``experts_quant``, turnout/quant/moe_fp8.py) the method creates the two stacks in
-fp8 with their block scales ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv`` (per-expert checkpoint scales
-map there through ``expert_weight_rules``) and runs the forward (``ops.moe_experts_fp8``).
+Quantised (``quant``: the plan's ``experts_quant``) the method creates the parameters and runs the forward: fp8
+(turnout/quant/moe_fp8.py) the two stacks in fp8 with their block scales ``gate_up_proj_scale_inv`` /
+``down_proj_scale_inv`` (per-expert checkpoint scales map there through ``expert_weight_rules``) through
+``ops.moe_experts_fp8``; 4-bit (turnout/quant/moe_w4.py) packed stacks named after the checkpoint's suffixes
+(``gate_up_proj_qweight``, ...) through ``ops.moe_experts_w4a16``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.linear import _split
 
 EXPERT_SHARDS = ("gate", "up", "down")
+# a 4-bit checkpoint's per-expert tensors besides weight_scale (AWQ / GPTQ; compressed-tensors pack-quantized)
+W4_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_zero_point", "weight_g_idx",
+               "weight_shape")
 
 
 def _check(what: str, want: tuple, loaded: torch.Tensor) -> None:
@@ -74,8 +79,10 @@ class FusedExperts(nn.Module):
             self.gate_up_proj.weight_loader = self.weight_loader
             self.down_proj.weight_loader = self.weight_loader
         # The walker counts a parameter loaded once every shard id listed here was seen: this rank's experts.
-        self.gate_up_proj.shard_ids = self.shard_ids(("gate", "up"))
-        self.down_proj.shard_ids = self.shard_ids(("down",))
+        # (4-bit experts hold no gate_up_proj / down_proj but packed stacks, which their method marks itself.)
+        for name, shards in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+            if isinstance(getattr(self, name, None), nn.Parameter):
+                getattr(self, name).shard_ids = self.shard_ids(shards)
 
     def shard_ids(self, shards: tuple[str, ...]) -> tuple:
         """The (expert id, shard) pairs of this rank's experts: what a stacked parameter's loaders must see."""
@@ -156,14 +163,18 @@ def expert_weight_rules(module: str = r"mlp\.experts", target: str = "mlp.expert
     ``names`` maps checkpoint projection names to shards (default HF ``gate_proj``/``up_proj``/
     ``down_proj``; Mixtral: ``w1``/``w3``/``w2``). ``module`` is the checkpoint's regex for the experts
     module, ``target`` our module path. An fp8 checkpoint's per-expert block scales (``.weight_scale_inv``;
-    compressed-tensors: ``.weight_scale``) go to the stacks' ``*_scale_inv``, which only a quantised layer has.
+    compressed-tensors: ``.weight_scale``) go to the stacks' ``*_scale_inv``, which only a quantised layer has; a
+    4-bit checkpoint's (``.qweight``, ``.qzeros``, ``.scales``, ``.g_idx``; compressed-tensors ``.weight_packed``,
+    ``.weight_zero_point``, ``.weight_g_idx``, ``.weight_shape``, and ``.weight_scale`` as above) to
+    ``{stack}_{suffix}`` (turnout/quant/moe_w4.py).
     """
     names = names or {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     rules = []
     for ckpt_name, shard in names.items():
         param = "down_proj" if shard == "down" else "gate_up_proj"
         for suffix, ours in (("weight", param), ("weight_scale_inv", param + "_scale_inv"),
-                             ("weight_scale", param + "_scale_inv")):
+                             ("weight_scale", param + "_scale_inv"),
+                             *((s, f"{param}_{s}") for s in W4_SUFFIXES)):
             rules.append((rf"(^|\.){module}\.(\d+)\.{re.escape(ckpt_name)}\.{suffix}$", rf"\g<1>{target}.{ours}",
                           lambda m, shard=shard: (int(m.group(2)), shard)))
     return rules

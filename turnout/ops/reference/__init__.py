@@ -17,6 +17,7 @@ def all_specs() -> list[OpSpec]:
         moe,
         moe_biased,
         moe_fp8,
+        moe_w4a16,
         norm,
         rotary,
         routing,
@@ -36,4 +37,5 @@ def all_specs() -> list[OpSpec]:
             fp8.QUANTIZE_FP8, fp8.SCALED_MM, fp8.BLOCK_SCALED_MM, fp8.FP8_LINEAR, moe_fp8.MOE_EXPERTS_FP8,
             mla.MLA_RESHAPE_AND_CACHE, mla.MLA_PAGED_ATTENTION,
             mla_prefill.MLA_GATHER_CACHE, mla_prefill.VARLEN_ATTENTION,
-            moe_biased.MOE_EXPERTS_BIASED, w4a16.W4A16_LINEAR]
+            moe_biased.MOE_EXPERTS_BIASED, w4a16.W4A16_LINEAR,
+            moe_w4a16.MOE_EXPERTS_W4A16]

@@ -42,6 +42,7 @@ KERNELS: dict[str, str] = {
     "varlen_attention": "mla_prefill:varlen_attention",
     "moe_experts_biased": "moe_biased:moe_experts_biased",
     "w4a16_linear": "w4a16:w4a16_linear",
+    "moe_experts_w4a16": "moe_w4a16:moe_experts_w4a16",
 }
 
 

@@ -17,6 +17,7 @@ OPS = {
     "reshape_and_cache": "cache:reshape_and_cache",
     "swap_layer": "swap:swap_layer",
     "w4a16_linear": "w4a16:w4a16_linear",
+    "moe_experts_w4a16": "moe_w4a16:moe_experts_w4a16",
 }
 
 
