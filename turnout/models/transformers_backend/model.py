@@ -32,6 +32,7 @@ from torch import nn
 
 from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.attention import Attention
+from turnout.layers.embedding import LMHead, VocabEmbedding
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.models.transformers_backend import support
 from turnout.models.transformers_backend.attention import IMPLEMENTATION, ProbeAttention, StepAttention, register
@@ -137,6 +138,18 @@ class TransformersForCausalLM(nn.Module):
                  and "turnout_shard" not in m.__dict__}  # experts computed by moe_experts (experts.py)
         return sorted(names)
 
+    def weight_bytes(self) -> dict[str, int]:
+        """This rank's parameter bytes: the routed experts' stacks, the embedding and head, the rest (each
+        parameter once, however many modules hold it)."""
+        vocab = {id(p) for m in self.modules() if isinstance(m, (VocabEmbedding, LMHead)) for p in m.parameters()}
+        experts = {id(p) for m in self.modules() if "turnout_shard" in m.__dict__
+                   for p in (m.gate_up_proj, m.down_proj)}
+        out = {"experts": 0, "vocab": 0, "other": 0}
+        for p in self.parameters():
+            kind = "experts" if id(p) in experts else "vocab" if id(p) in vocab else "other"
+            out[kind] += p.numel() * p.element_size()
+        return out
+
     def kv_specs(self, cache_dtype: str) -> list:
         """One KV spec per attention call of a forward, in call order (turnout/kv/spec.py)."""
         return [layer.kv_spec(cache_dtype) for layer in self.attn_layers]
@@ -186,3 +199,8 @@ def _host_sync(forward) -> str | None:
 def _arch(config) -> str:
     archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
     return str(archs[0])
+
+
+def rank_weight_bytes(worker) -> dict[str, int]:
+    """``TransformersForCausalLM.weight_bytes`` of a worker's model (``collective_rpc(rank_weight_bytes)``)."""
+    return worker.runner.model.weight_bytes()
