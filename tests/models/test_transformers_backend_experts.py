@@ -86,3 +86,55 @@ def test_experts_the_op_does_not_compute_stay_transformers_code(tmp_path):
     got = _prefill_last_logits(model, PROMPTS, torch.device("cpu"), torch.float32)
     assert counted.calls == 0
     assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= LOGITS_TOLERANCE
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_a_rank_loads_its_part_of_stacked_and_per_expert_tensors(expert_parallel):
+    """Rank 1 of 2: a transformers-5 stacked tensor and the per-expert gate / up / down tensors of a checkpoint
+    land as the same part: rows [3, 6) of each expert's gate and of its up and those columns of its down (tensor
+    parallel), or experts 2 and 3 whole (expert parallel)."""
+    from turnout.distributed.parallel_state import TPGroup
+    from turnout.models.transformers_backend.experts import ExpertsShard
+
+    e, h, i = 4, 8, 6
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(e, 2 * i, h, generator=gen), torch.randn(e, h, i, generator=gen)
+    holder = torch.nn.Module()
+    holder.down_proj = torch.nn.Parameter(torch.empty(e, h, i, device="meta"))
+    shard = ExpertsShard(e, h, i, ops=None, tp=TPGroup(rank=1, size=2, group=object()), expert_parallel=expert_parallel)
+    shard.make_parameters(holder)
+    if expert_parallel:
+        want_gu, want_d = gate_up[2:], down[2:]
+    else:
+        want_gu, want_d = torch.cat([gate_up[:, 3:6], gate_up[:, i + 3:]], 1), down[:, :, 3:]
+    for load in ("stacked", "per_expert"):
+        gu = torch.nn.Parameter(torch.zeros(holder.gate_up_proj.shape), requires_grad=False)
+        d = torch.nn.Parameter(torch.zeros(holder.down_proj.shape), requires_grad=False)
+        with torch.no_grad():
+            if load == "stacked":
+                holder.gate_up_proj.weight_loader(gu, gate_up)
+                holder.down_proj.weight_loader(d, down)
+            else:
+                for x in range(e):
+                    holder.gate_up_proj.load_expert(gu, gate_up[x, :i], x, 0, 2)
+                    holder.gate_up_proj.load_expert(gu, gate_up[x, i:], x, 1, 2)
+                    holder.down_proj.load_expert(d, down[x], x, 0, 1)
+        assert torch.equal(gu, want_gu) and torch.equal(d, want_d), load
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        holder.gate_up_proj.load_expert(gu, gate_up[0], 0, 0, 2)  # a [2I, H] tensor where a gate [I, H] belongs
+
+
+def test_weight_update_of_a_stacked_experts_tensor(tmp_path):
+    """An RL weight update names the stacked experts as transformers 5 does; it lands in the op's stack."""
+    hf = save_tiny("olmoe", tmp_path)
+    llm = LLM(model=str(tmp_path), model_impl="transformers", device="cpu", dtype="float32", kv_cache_memory=4 << 20)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    before = hf_greedy(hf, PROMPTS[0], 8)[0]
+    new = torch.randn_like(hf.get_parameter(name)) * 0.3
+    llm.update_weights({name: new})
+    with torch.no_grad():
+        hf.get_parameter(name).copy_(new)
+    want = hf_greedy(hf, PROMPTS[0], 8)[0]
+    assert want != before  # the update changes the tokens
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == want
