@@ -6,7 +6,8 @@ its ``save_pretrained`` writes the old layout back. Renamings are applied name b
 layout loads. Of the tensor conversions, the MoE one is done here, tensor by tensor: a converter that stacks
 per-expert tensors (``MergeModulelist(dim=0)``), optionally concatenating several of them (gate and up,
 ``Concatenate(dim=1)``), writes expert e's part j into rows [j R, (j + 1) R) of slice e of the stacked parameter,
-with no stacked copy made. Any other conversion is refused naming the tensor.
+with no stacked copy made (a stack split over ranks, experts.py, takes this rank's part through its
+``load_expert``). Any other conversion is refused naming the tensor.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def renamed(weights: Iterable[tuple[str, torch.Tensor]], names: CheckpointNames,
         if part is not None:
             expert, j, parts = part
             param = params.get(new)
+            if param is not None and hasattr(param, "load_expert"):  # this rank's part of a split stack (experts.py)
+                with torch.no_grad():
+                    param.load_expert(param, tensor, expert, j, parts)
+                stacked.setdefault(new, set()).add((expert, j, parts))
+                continue
             if param is None or param.dim() != 3 or param.shape[1] % parts or expert >= param.shape[0]:
                 raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)}: no stacked parameter {new!r} "
                                  f"takes expert {expert}")
@@ -96,7 +102,8 @@ def renamed(weights: Iterable[tuple[str, torch.Tensor]], names: CheckpointNames,
     for new, seen in stacked.items():
         param = params[new]
         parts = next(iter(seen))[2]
-        missing = [(e, j) for e in range(param.shape[0]) for j in range(parts) if (e, j, parts) not in seen]
+        experts = getattr(param, "num_experts", param.shape[0])  # all of them, whichever this rank holds
+        missing = [(e, j) for e in range(experts) for j in range(parts) if (e, j, parts) not in seen]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} expert tensor(s) of {new!r} (expert, part): "
                              f"{missing[:8]}")

@@ -1,11 +1,14 @@
 """``TransformersForCausalLM``: a model turnout has no class for, run through transformers' own modeling code.
 
-Built as every turnout model is, ``cls(hf_config, ops, plan, tp)`` under the engine's device and dtype:
+Built as every turnout model is, ``cls(hf_config, ops, plan, tp[, expert_parallel])`` under the engine's device and
+dtype:
 
 1. ``AutoModelForCausalLM.from_config`` with ``attn_implementation="turnout"`` (attention.py), its parameters on
    the meta device (build.py);
 2. the base model's linear layers and RMSNorms become turnout's (build.py: the op table, fp8, tensor
-   parallelism per ``base_model_tp_plan``), then every parameter gets storage on the device;
+   parallelism per ``base_model_tp_plan``), the stacked MoE experts go through ``moe_experts`` by transformers'
+   experts interface, split per rank (experts.py), the embedding and the LM head become turnout's vocab-parallel
+   layers (vocab.py), then every parameter gets storage on the device;
 3. the causal LM's children are registered on this module under their own names, so ``named_parameters()`` are
    the checkpoint's tensor names (``model.layers.0.self_attn.q_proj.weight``): the loaders, dummy weights and RL
    weight updates go through ``turnout.models.weight_map`` unchanged;
@@ -29,11 +32,14 @@ from torch import nn
 
 from turnout.distributed.parallel_state import SINGLE, TPGroup
 from turnout.layers.attention import Attention
+from turnout.layers.embedding import LMHead, VocabEmbedding
 from turnout.layers.fusion import NO_FUSIONS, FusionPlan
 from turnout.models.transformers_backend import support
 from turnout.models.transformers_backend.attention import IMPLEMENTATION, ProbeAttention, StepAttention, register
 from turnout.models.transformers_backend.build import materialize, parameters_on_meta, replace_linears, replace_norms
 from turnout.models.transformers_backend.checkpoint_names import CheckpointNames, renamed
+from turnout.models.transformers_backend.experts import route_experts
+from turnout.models.transformers_backend.vocab import replace_vocab
 from turnout.models.weight_map import load_weights
 
 logger = logging.getLogger(__name__)
@@ -45,9 +51,10 @@ class TransformersForCausalLM(nn.Module):
     """A transformers causal LM behind turnout's model contract (turnout/models/decoder.py's)."""
 
     supports_tensor_parallel = True
+    supports_expert_parallel = True  # where the experts go through moe_experts (experts.py); whole otherwise
     no_cuda_graphs: str | None = None  # why decode CUDA graphs cannot capture this model (the runner then runs eagerly)
 
-    def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE):
+    def __init__(self, config, ops, plan: FusionPlan = NO_FUSIONS, tp: TPGroup = SINGLE, expert_parallel: bool = False):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
@@ -65,6 +72,8 @@ class TransformersForCausalLM(nn.Module):
         base = hf.base_model
         made = replace_linears(base, ops, plan, tp, getattr(hf_config, "base_model_tp_plan", None))
         norms = replace_norms(base, ops)
+        self.experts_through_op, self.experts_kept = route_experts(hf, ops, tp, expert_parallel)
+        vocab = replace_vocab(hf, self.head.module, ops, plan, tp)
         for name, child in hf.named_children():
             self.add_module(name, child)  # the checkpoint's names
         materialize(self, device)
@@ -80,10 +89,13 @@ class TransformersForCausalLM(nn.Module):
         self.attn_layers = nn.ModuleList()
         if device.type != "meta":  # a meta model (shapes for dummy weights under TP) runs nothing
             self._probe(base, device)
+            experts = f"{self.experts_through_op} experts modules through moe_experts" if self.experts_through_op \
+                else f"experts stay transformers code ({self.experts_kept})" if self.experts_kept else "no experts"
             logger.info("transformers backend: %s through transformers' modeling code; %d attention layers through "
-                        "turnout's paged attention; turnout layers: %s, %d RMSNorm; still transformers code: %s",
-                        type(hf).__name__, len(self.attn_layers),
+                        "turnout's paged attention; turnout layers: %s, %d RMSNorm, vocab-parallel embedding %s, "
+                        "head %s; %s; still transformers code: %s", type(hf).__name__, len(self.attn_layers),
                         ", ".join(f"{n} {k}" for k, n in sorted(made.items())) or "no linear", norms,
+                        "yes" if vocab[0] else "no", "yes" if vocab[1] else "no", experts,
                         ", ".join(self.transformers_modules()))
 
     def _probe(self, base: nn.Module, device: torch.device) -> None:
@@ -122,8 +134,21 @@ class TransformersForCausalLM(nn.Module):
     def transformers_modules(self) -> list[str]:
         """The classes of transformers code that run in the forward (everything but turnout's layers)."""
         names = {type(m).__name__ for m in self.modules()
-                 if not type(m).__module__.startswith("turnout.") and not isinstance(m, (nn.ModuleList, nn.ModuleDict))}
+                 if not type(m).__module__.startswith("turnout.") and not isinstance(m, (nn.ModuleList, nn.ModuleDict))
+                 and "turnout_shard" not in m.__dict__}  # experts computed by moe_experts (experts.py)
         return sorted(names)
+
+    def weight_bytes(self) -> dict[str, int]:
+        """This rank's parameter bytes: the routed experts' stacks, the embedding and head, the rest (each
+        parameter once, however many modules hold it)."""
+        vocab = {id(p) for m in self.modules() if isinstance(m, (VocabEmbedding, LMHead)) for p in m.parameters()}
+        experts = {id(p) for m in self.modules() if "turnout_shard" in m.__dict__
+                   for p in (m.gate_up_proj, m.down_proj)}
+        out = {"experts": 0, "vocab": 0, "other": 0}
+        for p in self.parameters():
+            kind = "experts" if id(p) in experts else "vocab" if id(p) in vocab else "other"
+            out[kind] += p.numel() * p.element_size()
+        return out
 
     def kv_specs(self, cache_dtype: str) -> list:
         """One KV spec per attention call of a forward, in call order (turnout/kv/spec.py)."""
@@ -174,3 +199,8 @@ def _host_sync(forward) -> str | None:
 def _arch(config) -> str:
     archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
     return str(archs[0])
+
+
+def rank_weight_bytes(worker) -> dict[str, int]:
+    """``TransformersForCausalLM.weight_bytes`` of a worker's model (``collective_rpc(rank_weight_bytes)``)."""
+    return worker.runner.model.weight_bytes()
