@@ -31,7 +31,7 @@ OTHER = {
     "data_parallel_rank": (1, {"data_parallel_size": 2}), "enable_expert_parallel": (True, {}),
     "preemption_mode": ("swap", {}), "swap_space": (1.5, {}), "kv_offload_gb": (2.0, {}),
     "quantization": ("fp8", {}), "kv_cache_dtype": ("fp8", {}),
-    "model_impl": ("transformers", {}),
+    "model_impl": ("transformers", {}), "num_hidden_layers": (2, {}),
     "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}', {}),
 }
 
@@ -92,7 +92,7 @@ def test_every_field_reaches_the_config_from_serve_flags(name):
 
 
 def test_only_fields_turnout_sets_itself_have_no_flag():
-    assert {f.name for f in dataclasses.fields(EngineConfig) if not f.metadata.get("cli", True)} == {"data_parallel_rank"}
+    assert {f.name for f in dataclasses.fields(EngineConfig) if not f.metadata.get("cli", True)} == {"data_parallel_rank", "num_hidden_layers"}
 
 
 def test_flag_defaults_are_the_fields_defaults():

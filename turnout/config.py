@@ -130,6 +130,10 @@ class EngineConfig:
         "the architecture, else transformers where its class supports the attention interface); `turnout "
         "models` lists which applies to each architecture", choices=("auto", "native", "transformers"),
         group="model")
+    # The first N decoder layers only (the model's final norm and head kept): a layer-truncated draft's engine
+    # (speculative_config's num_draft_layers); set by turnout itself
+    num_hidden_layers: int | None = option(None, "the model's first N decoder layers only (a self-draft)",
+                                           group="model", cli=False)
     # Speculative decoding (turnout/speculative_config.py, turnout/engine/speculative.py): vLLM's dict, or its
     # JSON text on the command line; it sets num_speculative_tokens (the graphs' query lengths) to its k.
     speculative_config: str | dict | None = option(
@@ -144,6 +148,9 @@ class EngineConfig:
 
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "bf16", "fp32", "fp16", "float"):
             bad("dtype", f"unknown dtype {self.dtype!r} (auto, float32, float16, bfloat16)")
+        if self.num_hidden_layers is not None and (isinstance(self.num_hidden_layers, bool) or not isinstance(
+                self.num_hidden_layers, int) or self.num_hidden_layers < 1):
+            bad("num_hidden_layers", f"must be an integer >= 1, got {self.num_hidden_layers!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             bad("max_model_len", f"must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool) or not isinstance(

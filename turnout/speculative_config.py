@@ -7,6 +7,8 @@
 - ``num_speculative_tokens``: k, the most drafts one sequence verifies in a step (1..16);
 - ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram): the n-gram lengths matched, longest first; one
   given stands for both, none given is 5 and 5 (vLLM's defaults);
+- ``num_draft_layers`` (draft_model): the draft is the first N decoder layers of its model, with that model's
+  final norm and LM head (a layer-truncated self-draft: without ``model``, the target's own checkpoint);
 - ``disable_by_batch_size``: no drafts in a step where this many sequences or more are running (verifying
   drafts costs more than it saves once the batch fills the device; None: always draft).
 
@@ -24,7 +26,7 @@ MAX_SPECULATIVE_TOKENS = 16
 METHODS = ("ngram", "draft_model")
 NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
 FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-          "disable_by_batch_size")
+          "num_draft_layers", "disable_by_batch_size")
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 0
-    model: str | None = None
+    model: str | None = None  # draft_model: None with num_draft_layers is the target's own checkpoint
     disable_by_batch_size: int | None = None
+    num_draft_layers: int | None = None
 
 
 def _bad(field: str, why: str) -> ValueError:
@@ -66,13 +69,14 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     if model is not None and (not isinstance(model, str) or not model):
         raise _bad("model", f"must be a model id or path, got {model!r}")
     method = value.get("method")
+    layers = value.get("num_draft_layers")
     if method is None:
         if model in ("ngram", "[ngram]"):  # vLLM's older spelling of the n-gram method
             method, model = "ngram", None
-        elif model is not None:
+        elif model is not None or layers is not None:
             method = "draft_model"
         else:
-            raise _bad("method", "required (ngram or draft_model), or a draft \"model\"")
+            raise _bad("method", "required (ngram or draft_model), or a draft \"model\" or \"num_draft_layers\"")
     if method in NOT_BUILT:
         raise _bad("method", f"{method!r} is not built in turnout (it serves {', '.join(METHODS)})")
     if method not in METHODS:
@@ -81,17 +85,22 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         raise _bad("num_speculative_tokens", "required: the most draft tokens a sequence verifies in a step")
     k = _positive_int(value["num_speculative_tokens"], "num_speculative_tokens", MAX_SPECULATIVE_TOKENS)
     lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    if layers is not None:
+        layers = _positive_int(layers, "num_draft_layers")
     if method == "ngram":
         if model is not None:
             raise _bad("model", "the ngram method uses no model")
+        if layers is not None:
+            raise _bad("num_draft_layers", "only for the draft_model method")
         lo = None if lo is None else _positive_int(lo, "prompt_lookup_min", 64)
         hi = None if hi is None else _positive_int(hi, "prompt_lookup_max", 64)
         lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
         if lo > hi:
             raise _bad("prompt_lookup_min", f"({lo}) must not exceed prompt_lookup_max ({hi})")
     else:
-        if model is None:
-            raise _bad("model", "the draft_model method needs the draft's model id or path")
+        if model is None and layers is None:
+            raise _bad("model", "the draft_model method needs the draft's model id or path (or num_draft_layers: "
+                                "the target's first layers as the draft)")
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None:
                 raise _bad(name, "only for the ngram method")
@@ -99,4 +108,4 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     cap = value.get("disable_by_batch_size")
     if cap is not None:
         cap = _positive_int(cap, "disable_by_batch_size")
-    return SpeculativeConfig(method, k, lo, hi, model, cap)
+    return SpeculativeConfig(method, k, lo, hi, model, cap, layers)

@@ -84,6 +84,59 @@ def test_embedded_model_as_its_own_draft():
     llm.shutdown()
 
 
+def _hf_cut(tmp_path, layers: int):
+    """HF transformers' model of the embedded GGUF cut to its first ``layers`` layers (a transformers that cannot
+    read its Q4_1 tensors, 5.17, reads the F32 copy tests/engine/test_smollm2_gguf.py makes)."""
+    import os
+
+    import torch
+
+    path = default_model_path()
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, num_hidden_layers=layers,
+                                                                 dtype=torch.float32).eval()
+    except ValueError as e:
+        if "not supported" not in str(e):
+            raise
+    from test_smollm2_gguf import f32_copy
+
+    f32_copy(path, str(tmp_path / "f32.gguf"))
+    return transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="f32.gguf",
+                                                             num_hidden_layers=layers, dtype=torch.float32).eval()
+
+
+def test_two_layer_self_draft(tmp_path):
+    """A layer-truncated self-draft (``num_draft_layers``: the target's first 2 of 30 layers with its final norm
+    and head, no other checkpoint): greedy output identical to the same requests without drafts, drafts verified;
+    the draft's own logits equal HF's model cut to 2 layers on the same weights; a cut past the model's layers
+    is a start-up error naming the field."""
+    import torch
+
+    llm = LLM(kv_cache_memory=64 << 20, async_scheduling=False,
+              speculative_config={"num_draft_layers": 2, "num_speculative_tokens": 3})
+    prompts = ["The capital of France is", COPY_PROMPT]
+    sp = SamplingParams(temperature=0.0, max_tokens=16)
+    want, _, _ = _run(llm, prompts, _off(sp))
+    got, drafted, accepted = _run(llm, prompts, sp)
+    assert _summary(got) == _summary(want)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    draft = llm.engine.core.proposer.engine  # the draft's own engine: 2 layers of the embedded checkpoint
+    hf = _hf_cut(tmp_path, 2)
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+    draft.add_request("check", ids, SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))
+    outs = []
+    while draft.has_unfinished_requests():
+        outs += [o for o in draft.step(finished_only=True) if o.finished]
+    for tok, entry in outs[0].outputs[0].logprobs[0].items():
+        assert abs(entry.logprob - float(ref[tok])) < 1e-4, tok
+    llm.shutdown()
+    with pytest.raises(ValueError, match="num_draft_layers"):
+        LLM(kv_cache_memory=64 << 20, speculative_config={"num_draft_layers": 31, "num_speculative_tokens": 2})
+
+
 def _tiny_with_tokenizer(path, words: str) -> str:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -28,6 +28,8 @@ def test_ngram_and_draft_model_settings():
                                             "prompt_lookup_max": 3}).speculative.prompt_lookup_min == 3
     d = EngineConfig(speculative_config={"model": "/some/draft", "num_speculative_tokens": 4}).speculative
     assert (d.method, d.model, d.num_speculative_tokens) == ("draft_model", "/some/draft", 4)
+    s = EngineConfig(speculative_config={"num_draft_layers": 2, "num_speculative_tokens": 3}).speculative
+    assert (s.method, s.model, s.num_draft_layers) == ("draft_model", None, 2)  # the target's own first layers
     assert EngineConfig().speculative is None and EngineConfig().num_speculative_tokens == 0
     # the legacy option alone still sizes the graphs, with no proposer
     assert EngineConfig(num_speculative_tokens=2).speculative is None
@@ -60,6 +62,8 @@ def test_the_flag_takes_vllms_json():
     ({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "prompt_lookup_max", "only for"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_vocab": 3}, "draft_vocab", "unknown field"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size", ">= 1"),
+    ({"num_draft_layers": 0, "num_speculative_tokens": 2}, "num_draft_layers", ">= 1"),
+    ({"method": "ngram", "num_draft_layers": 2, "num_speculative_tokens": 2}, "num_draft_layers", "only for"),
     ("{not json", "", "not valid JSON"),
     (["ngram"], "", "must be a dict"),
 ])

@@ -43,7 +43,8 @@ def draft_engine_config(config, spec):
     """The draft engine's EngineConfig: the draft model on the target's device and dtype, one rank, no drafts of
     its own, greedy, with a prefix cache (which keeps its KV in step with the target's tokens)."""
     return dataclasses.replace(
-        config, model=spec.model, tokenizer=None, served_model_name=None, speculative_config=None,
+        config, model=spec.model if spec.model is not None else config.model,
+        num_hidden_layers=spec.num_draft_layers, tokenizer=None, served_model_name=None, speculative_config=None,
         num_speculative_tokens=0, max_model_len=None, enable_prefix_caching=True, tensor_parallel_size=1, nnodes=1, node_rank=0,
         distributed_executor_backend=None, data_parallel_size=1, data_parallel_rank=0, quantization=None,
         kv_offload_gb=0.0, swap_space=0.0, preemption_mode="recompute", max_tokens_per_request=None,
@@ -128,7 +129,8 @@ def build_draft_engine(config, engine_cls):
     from turnout.loader.source import check_model_exists
 
     try:
-        check_model_exists(spec.model)
+        if spec.model is not None:  # None: the target's own checkpoint (a layer-truncated self-draft)
+            check_model_exists(spec.model)
     except ValueError as e:
         raise ValueError(f"speculative_config.{e}") from None
     return engine_cls(draft_engine_config(config, spec))

