@@ -11,7 +11,7 @@ and infinities (raw ``NaN`` / ``Infinity`` JSON tokens: ``json.dumps`` writes th
 odd strings, deep nesting, token-id prompts at and past the vocabulary boundary, raw bytes. Valid
 generations are kept cheap by the server's limits (``--max-model-len``, ``--max-tokens-per-request``).
 
-CI runs ``TURNOUT_FUZZ_EXAMPLES`` bodies per endpoint (default 800); set it higher for a long run, e.g.
+CI runs ``TURNOUT_FUZZ_EXAMPLES`` bodies per endpoint (default 500); set it higher for a long run, e.g.
 ``TURNOUT_FUZZ_EXAMPLES=20000 pytest -s tests/server/test_serve_fuzz.py``; ``TURNOUT_FUZZ_SEED=N`` draws
 other bodies than CI's fixed ones. The counts are printed and, with ``TURNOUT_FUZZ_REPORT=path``, written
 there as JSON (with which field each 4xx named).
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from conftest import ServerProcess
 
-EXAMPLES = int(os.environ.get("TURNOUT_FUZZ_EXAMPLES", "800"))
+EXAMPLES = int(os.environ.get("TURNOUT_FUZZ_EXAMPLES", "500"))
 REPORT = os.environ.get("TURNOUT_FUZZ_REPORT")
 SEED = os.environ.get("TURNOUT_FUZZ_SEED")  # unset: the same bodies every run (CI); set: other bodies
 HEALTH_EVERY = 100
