@@ -15,17 +15,19 @@ Layers with equal specs form a cache group (``CacheLayout.groups``); every layer
 The tensors of a token layer are ``[num_blocks, block_size, *shape]`` for each ``shape`` of
 ``token_shapes``; those of a state layer ``[num_slots, *shape]`` for each of ``shapes``.
 
-Why one block table for every token group, rather than one per group: blocks are freed out of a window only
-when every token layer is a sliding one (Mistral), so a sequence's blocks stay bounded by the window. A model
-that mixes full and sliding layers (Gemma 2/3, GPT-OSS) keeps every block, since its full layers read them
-all; its sliding layers hold tokens they will not read again (the cost: their share of the cache, as if they
-were full layers). Per-group block tables would free those too, at the price of a block table and slot
-mapping per group in every step's metadata, kernel and CUDA graph.
+Block tables (``CacheLayout.table_groups``, kv/table_groups.py): a model whose token layers all declare one
+spec has one block table per sequence (blocks freed out of a window when every layer is a sliding one,
+Mistral). A model that mixes full and sliding layers of one shape (Gemma 2/3, GPT-OSS) has one table per
+table group: its sliding groups free the blocks their window left behind while its full groups keep them,
+the groups sharing one pool of pages (a block id stands for one block of ``size`` layers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+from turnout.kv.table_groups import TableGroup, layer_groups, split_groups
 
 # bytes per element of the storage dtypes a cache may use (torch's names, without "torch.")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -208,8 +210,30 @@ class CacheLayout:
     def state_layers(self) -> tuple[int, ...]:
         return tuple(i for i, s in enumerate(self.specs) if not s.per_token)
 
+    @cached_property
+    def _tables(self) -> tuple[tuple[TableGroup, ...], tuple[int, ...]]:
+        return split_groups(self.specs)
+
+    @property
+    def table_groups(self) -> tuple[TableGroup, ...]:
+        """The token layers that share a block table (one group unless full and sliding layers mix)."""
+        return self._tables[0]
+
+    @property
+    def cache_owner(self) -> tuple[int, ...]:
+        """Per layer, the layer whose cache tensors it uses (itself but with several table groups)."""
+        return self._tables[1]
+
+    @cached_property
+    def layer_group(self) -> tuple[int, ...]:
+        """Per layer, its table group."""
+        return layer_groups(self.table_groups, len(self.specs))
+
     def block_bytes(self, block_size: int) -> int:
-        """Bytes of one block across every token layer (what one block id stands for)."""
+        """Bytes of one block id: one block of every token layer, or with several table groups of every
+        layer position of a group (the page the groups share)."""
+        if len(self.table_groups) > 1:
+            return block_size * len(self.table_groups[0].layers) * self.specs[self.table_groups[0].layers[0]].bytes_per_token
         return block_size * sum(s.bytes_per_token for s in self.specs if s.per_token)
 
     @property
@@ -227,8 +251,10 @@ class CacheLayout:
         return max(s.window for s in token)
 
     def max_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
-        """The most blocks one sequence of up to ``num_tokens`` tokens holds at once (the shared table's:
-        the widest need of any token layer)."""
+        """The most blocks one sequence of up to ``num_tokens`` tokens holds at once (one table: the widest
+        need of any token layer; several: the sum of each group's)."""
+        if len(self.table_groups) > 1:
+            return sum(self.specs[g.layers[0]].max_blocks(num_tokens, block_size, chunk) for g in self.table_groups)
         return max((s.max_blocks(num_tokens, block_size, chunk) for s in self.specs if s.per_token), default=0)
 
     def describe(self) -> str:
@@ -239,4 +265,6 @@ class CacheLayout:
                     LatentSpec: "latent", StateSpec: "state"}[type(s)]
             size = f"{s.bytes_per_token} B/token" if s.per_token else f"{s.bytes_per_request} B/request"
             parts.append(f"{len(g.layers)} x {what} ({size})")
+        if len(self.table_groups) > 1:
+            parts.append(f"{len(self.table_groups)} block tables of {len(self.table_groups[0].layers)} layers")
         return ", ".join(parts)

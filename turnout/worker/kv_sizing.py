@@ -47,8 +47,11 @@ def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_s
     make = torch.zeros if zero else torch.empty
     kw = {"pin_memory": True} if pin_memory else {}
     out = []
-    for spec in layout.specs:
-        if spec.per_token:
+    owner = layout.cache_owner  # several table groups: layer j of every group shares tensors (kv/table_groups.py)
+    for i, spec in enumerate(layout.specs):
+        if owner[i] != i:
+            out.append(out[owner[i]])
+        elif spec.per_token:
             dtype = getattr(torch, spec.dtype)
             out.append(tuple(make((num_blocks, block_size, *shape), dtype=dtype, device=device, **kw)
                              for shape in spec.token_shapes))
@@ -59,8 +62,15 @@ def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_s
 
 
 def block_caches(caches, layout: CacheLayout) -> list[list[torch.Tensor]]:
-    """Per layer, the tensors a block id indexes (none for a state layer): what block copies and swaps move."""
-    return [list(c) if spec.per_token else [] for c, spec in zip(caches, layout.specs)]
+    """Per layer, the tensors a block id indexes (none for a state layer, nor for a layer that shares its owner's
+    tensors, kv/table_groups.py: the owner, first in model order, moves them): what block copies and swaps move."""
+    owner = layout.cache_owner
+    return [list(c) if spec.per_token and owner[i] == i else [] for i, (c, spec) in enumerate(zip(caches, layout.specs))]
+
+
+def unique_block_tensors(caches) -> list[torch.Tensor]:
+    """Every cache tensor once (layers of several table groups share them): what a copy-on-write copies."""
+    return list({id(c): c for kv in caches for c in kv}.values())
 
 
 def state_caches(caches, layout: CacheLayout) -> list[list[torch.Tensor]]:
@@ -69,7 +79,7 @@ def state_caches(caches, layout: CacheLayout) -> list[list[torch.Tensor]]:
 
 
 def cache_bytes(caches) -> int:
-    return sum(t.numel() * t.element_size() for layer in caches for t in layer)
+    return sum(t.numel() * t.element_size() for t in unique_block_tensors(caches))
 
 
 def kv_dtype(runner) -> torch.dtype:

@@ -79,7 +79,7 @@ class RankMemory:
         """Bytes held by this rank's parameters, KV cache and host copies (storage sizes: what is really held)."""
         r = self.runner
         params = sum(p.untyped_storage().nbytes() for _, p in _unique_params(r.model))
-        kv = sum(t.untyped_storage().nbytes() for layer in r.kv_caches for t in layer)
+        kv = sum(t.untyped_storage().nbytes() for t in {id(t): t for layer in r.kv_caches for t in layer}.values())
         host = sum(s.host.untyped_storage().nbytes() for s in self._saved.values() if s.host is not None)
         return {"weights": params, "kv_cache": kv, "host_weights": host}
 
