@@ -124,3 +124,27 @@ def test_group_tables_far_past_the_window_match_hf(kind, mode, pages, tmp_path):
         assert eng.block_manager.num_window_released > 0
     finally:
         llm.engine.executor.shutdown()
+
+
+def test_group_tables_tp2_equals_one_process(tmp_path):
+    """Tensor parallelism on gloo (a process per extra rank: the step codec carries each group's slot mapping
+    and tables to the other rank): the tiny Gemma 3 gives one process's tokens and logprobs, and HF's."""
+    hf = _model("gemma3", tmp_path)
+    reference = _reference(hf)
+    got = {}
+    for tp in (1, 2):  # per rank: its kv heads, so half the bytes for the same pages
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=8,
+                  max_num_seqs=3, enable_prefix_caching=True, kv_cache_memory=48 * PAGE // tp, tensor_parallel_size=tp)
+        try:
+            windows = [g.window for g in llm.engine.runner.cache_layout.table_groups]
+            got[tp], _ = _run(llm.engine, windows)
+            assert llm.engine.scheduler.num_preemptions > 0
+        finally:
+            llm.engine.executor.shutdown()
+    for one, two, (tokens, ref_lp) in zip(got[1], got[2], reference):
+        assert one.token_ids == two.token_ids == tokens
+        for i, (a, b) in enumerate(zip(one.logprobs, two.logprobs)):
+            assert a.keys() == b.keys()
+            for tok in a:
+                assert abs(a[tok].logprob - b[tok].logprob) < 1e-4
+                assert abs(b[tok].logprob - float(ref_lp[i, tok])) < 1e-4
