@@ -201,3 +201,28 @@ def test_the_same_bytes_admit_more_long_sequences_than_one_table():
     one = BlockManager(total_layer_blocks // layers, bs, False)
     groups = GroupedBlockManager([None] + [8] * 5, total_layer_blocks, bs, False)
     assert (admitted(one), admitted(groups)) == (1, 4)
+
+
+def test_sliding_groups_of_two_widths_and_forks():
+    """No full group (two windows): hits are found from the sliding groups alone; n > 1 forks share every group's
+    blocks and copy the shared partial block on write in each group."""
+    eng = GroupEngine(num_blocks=80, windows=[5, 9], budget=16)
+    a = eng.add("a", list(range(200, 223)), max_tokens=12)
+    eng.run()
+    b = eng.add("b", a.token_ids[:30], max_tokens=6)
+    eng.run()
+    assert b.num_cached_tokens > 0 and b.output_token_ids == reference(a.token_ids[:30], 6)
+    bm = GroupedBlockManager([None, 4], 40, 4, False)
+    p = Sequence(0, "p", list(range(10)), None, 0)
+    bm.allocate(p)
+    p.num_computed_tokens = 10
+    c = p.fork(1, 1)
+    bm.fork(p, c)
+    assert [len(x) for x in bm.live_blocks(c)] == [3, 3] and c.block_tables == p.block_tables
+    p.append_token(1)
+    c.append_token(2)
+    copies = bm.append_slots(p, 1) + bm.append_slots(c, 1)
+    assert len(copies) == 2  # the shared block holding token 10 of each group, copied once (by the first writer)
+    bm.free(p)
+    bm.free(c)
+    assert bm.num_free_blocks == bm.capacity

@@ -151,42 +151,26 @@ class GroupedBlockManager:
         return out
 
     def match_prefix(self, seq: KVSequence) -> list:
-        """The hit every group can serve: a list of the full group's hits, its ``per_group`` the hits of
-        each group for ``allocate`` (None where a sliding group's window no longer reads the block)."""
-        full = self.groups[0].match_prefix(seq)
-        per = [full]
-        n = len(full)
-        sliding = [(g, m) for g, m in enumerate(self.groups) if g and m.window is not None]
-        found = {g: self._window_match(m, seq, n) for g, m in sliding} if n else {}
-        while n > 0:
-            ok = True
-            for g, m in sliding:
-                start = m._window_start(n * self.block_size)
-                if any(b is None for b in found[g][start:n]):
-                    ok = False
-                    break
-            if ok:
-                break
-            n -= 1
-        hits = _Hits(full[:n])
-        for g, m in enumerate(self.groups[1:], 1):
+        """The hit every group can serve: a list of the first group's hits (its length is the hit in blocks),
+        its ``per_group`` the hits of each group for ``allocate`` (None where a sliding group's window no
+        longer reads the block at the hit point)."""
+        per: list = [None] * len(self.groups)
+        for g, m in enumerate(self.groups):  # full groups: every block up to the hit
             if m.window is None:
-                hits_g = m.match_prefix(_GroupView(seq, g)) if n else []
-                n_g = min(n, len(hits_g))
-                if n_g < n:  # a second full group lacks blocks: shorten every group (rare: full groups chain alike)
-                    return self._shortened(seq, n_g)
-                per.append(hits_g[:n])
-            else:
-                per.append(found[g][:n] if n else [])
-        hits.per_group = [per[0][:n]] + per[1:]
-        return hits
-
-    def _shortened(self, seq: KVSequence, n: int) -> list:
-        hits = _Hits(self.groups[0].match_prefix(seq)[:n])
-        hits.per_group = [list(hits)]
-        for g, m in enumerate(self.groups[1:], 1):
-            hits.per_group.append((m.match_prefix(_GroupView(seq, g)) if m.window is None
-                                   else self._window_match(m, seq, n))[:n])
+                per[g] = m.match_prefix(seq if g == 0 else _GroupView(seq, g))
+        if any(p is not None for p in per):
+            n = min(len(p) for p in per if p is not None)
+        else:  # sliding groups only (windows of different widths)
+            off = not self.enable_prefix_caching or getattr(seq, "skip_prefix_cache", False)
+            n = 0 if off else (len(seq.token_ids) - 1) // self.block_size
+        sliding = [(g, m) for g, m in enumerate(self.groups) if m.window is not None]
+        for g, m in sliding:
+            per[g] = self._window_match(m, seq, n) if n else []
+        while n > 0 and any(b is None for g, m in sliding
+                            for b in per[g][m._window_start(n * self.block_size):n]):
+            n -= 1  # a sliding group lacks a block its window reads at this hit point: a shorter hit
+        hits = _Hits(per[0][:n])
+        hits.per_group = [p[:n] for p in per]
         return hits
 
     def _per_group(self, seq: KVSequence, cached) -> list[list]:

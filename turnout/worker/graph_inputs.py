@@ -54,8 +54,9 @@ class StaticInputs:
             # pinned host buffers and device staging buffers, two of each, used in turn
             self._host = [torch.empty(self._size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
             self._staging = [torch.empty_like(self._inputs) for _ in range(2)] if self._upload is not None else []
-            for buf in self._host:
-                self._pad(self._views(buf), 0)
+            self._host_views = [self._views(buf) for buf in self._host]
+            for views in self._host_views:
+                self._pad(views, 0)
             self._inputs.copy_(self._host[0])
         self._host_filled = [0, 0]  # rows [0, k) of pinned buffer i may hold live values; rows beyond, padding
         self._uploaded = [torch.cuda.Event() for _ in range(2)] if cuda else []  # staging i written
@@ -116,7 +117,7 @@ class StaticInputs:
         host = self._host[i]
         if self._uploaded:
             self._uploaded[i].synchronize()  # the copy that last read this pinned buffer (two steps ago) is done
-        positions_h, slots_h, seq_lens_h, tables_h, groups_h = views = self._views(host)
+        positions_h, slots_h, seq_lens_h, tables_h, groups_h = views = self._host_views[i]
         positions_h[:t] = positions
         slots_h[:t] = meta.slot_mapping
         for (g_slots, g_tables), (slots, tables) in zip(groups_h, meta.group_tables or ()):
