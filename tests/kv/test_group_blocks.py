@@ -34,8 +34,9 @@ def reference(prompt, max_tokens):
 
 class GroupEngine:
     def __init__(self, num_blocks, windows, block_size=4, max_num_seqs=8, budget=16, prefix_caching=True,
-                 swap_blocks=0, mode="recompute"):
-        self.bm = GroupedBlockManager(windows, num_blocks, block_size, prefix_caching, swap_blocks=swap_blocks)
+                 swap_blocks=0, mode="recompute", offload_blocks=0):
+        self.bm = GroupedBlockManager(windows, num_blocks, block_size, prefix_caching, swap_blocks=swap_blocks,
+                                      offload_blocks=offload_blocks)
         self.sched = Scheduler(self.bm, max_num_seqs, budget, 1024, preemption=Preemption(mode))
         self.windows, self.bs = windows, block_size
         self.kv, self.host, self.seqs = {}, {}, {}  # block -> [(group, token, position)] * block_size
@@ -105,15 +106,16 @@ def test_a_long_generation_holds_every_full_block_and_the_window_s_sliding_ones(
     assert eng.bm.num_free_blocks == eng.bm.capacity
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("prefix_caching,offload", [(True, 0), (False, 0), (True, 60)])
 @pytest.mark.parametrize("mode,swap_blocks", [("recompute", 0), ("swap", 40)])
-def test_stress_with_shared_prefixes_and_preemption_matches_the_reference(prefix_caching, mode, swap_blocks):
+def test_stress_with_shared_prefixes_and_preemption_matches_the_reference(prefix_caching, offload, mode,
+                                                                           swap_blocks):
     rng = random.Random(5)
     prefix = [rng.randrange(1000) for _ in range(30)]
     reqs = [(f"r{i}", (prefix if i % 2 else prefix[:9]) + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))],
              rng.randrange(20, 70)) for i in range(10)]
     eng = GroupEngine(num_blocks=70, windows=[None, 6, 6, 10], budget=24, prefix_caching=prefix_caching,
-                      swap_blocks=swap_blocks, mode=mode)
+                      swap_blocks=swap_blocks, mode=mode, offload_blocks=offload)
     for rid, prompt, mt in reqs:
         eng.add(rid, prompt, mt)
     out = eng.run()
@@ -125,6 +127,8 @@ def test_stress_with_shared_prefixes_and_preemption_matches_the_reference(prefix
     for rid, prompt, mt in reqs:
         assert out[rid] == reference(prompt, mt)
     assert eng.bm.num_free_blocks == eng.bm.capacity and eng.bm.swap_pool.num_free == swap_blocks
+    if offload:  # the host prefix tier (kv/tiers.py) took evicted blocks of every group, and gave hits back
+        assert eng.bm.host_cache.num_offloaded > 0 and eng.bm.num_host_hit_tokens > 0
 
 
 def test_a_prefix_hit_needs_the_sliding_group_s_window_at_the_hit_point():
