@@ -16,6 +16,9 @@ block whose content is gone; a later request sharing a prefix whose early blocks
 from where the chain breaks. Attention reads nothing before the window, so the null entries are never read
 for their content (a kernel that loads a whole table row loads block 0: valid memory).
 
+Several table groups (a model mixing full and sliding layers): kv/group_blocks.py runs one BlockManager per
+group on one shared pool (``null_block``, ``hash_root``: each group's own chains).
+
 Per-request state (kv/state_slots.py): with ``state_slots``, each sequence also holds one state slot from
 its first schedule to its end, swapped with its blocks.
 """
