@@ -230,3 +230,17 @@ def test_sliding_groups_of_two_widths_and_forks():
     bm.free(p)
     bm.free(c)
     assert bm.num_free_blocks == bm.capacity
+
+
+def test_cache_tensors_are_shared_by_group_position_only_when_asked():
+    from turnout.worker.kv_sizing import allocate_caches, block_caches, cache_bytes
+
+    slide, full = SlidingWindowSpec(1, 4, "float32", window=4), FullAttentionSpec(1, 4, "float32")
+    layout = CacheLayout((slide, slide, full, slide, slide, full))  # groups of 2: full (2, 5), sliding (0, 1), (3, 4)
+    assert layout.cache_owner == (0, 1, 0, 0, 1, 1)
+    shared = allocate_caches(layout, 3, 4, 1, "cpu", shared=True)  # the runner's: a block id is a 2-layer page
+    assert all(shared[i][0] is shared[layout.cache_owner[i]][0] for i in range(6))
+    assert [len(c) for c in block_caches(shared, layout)] == [2, 2, 0, 0, 0, 0]  # the owners move the pages
+    assert cache_bytes(shared) == 3 * layout.block_bytes(4)  # the pool is num_blocks pages, no more
+    own = allocate_caches(layout, 3, 4, 1, "cpu")  # a standalone forward with one table: every layer its own
+    assert len({id(c[0]) for c in own}) == 6

@@ -41,13 +41,16 @@ def model_cache_layout(model, cache_dtype: torch.dtype) -> CacheLayout:
 
 
 def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_slots: int, device,
-                    pin_memory: bool = False, zero: bool = True) -> list[tuple[torch.Tensor, ...]]:
+                    pin_memory: bool = False, zero: bool = True, shared: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """One tuple of tensors per layer, as its spec says: ``[num_blocks, block_size, *shape]`` for each of a token
-    layer's shapes ((k, v) for attention, one latent tensor), ``[num_slots, *shape]`` for a state layer's."""
+    layer's shapes ((k, v) for attention, one latent tensor), ``[num_slots, *shape]`` for a state layer's.
+    ``shared``: layers of several table groups share their owner's tensors (``layout.cache_owner``,
+    kv/table_groups.py), as the runner's caches do, whose steps give each group its own tables; off, every layer
+    has its own (a forward with one table for every layer, as a standalone check builds)."""
     make = torch.zeros if zero else torch.empty
     kw = {"pin_memory": True} if pin_memory else {}
     out = []
-    owner = layout.cache_owner  # several table groups: layer j of every group shares tensors (kv/table_groups.py)
+    owner = layout.cache_owner if shared else range(len(layout.specs))  # layer j of every group shares tensors
     for i, spec in enumerate(layout.specs):
         if owner[i] != i:
             out.append(out[owner[i]])
@@ -114,7 +117,8 @@ def profile_gpu_budget(runner) -> int:
     dev = runner.device
     n = runner.config.max_num_batched_tokens
     scratch_blocks = math.ceil(n / runner.block_size) + 1
-    scratch = allocate_caches(runner.cache_layout, scratch_blocks, runner.block_size, 1, dev, zero=False)
+    scratch = allocate_caches(runner.cache_layout, scratch_blocks, runner.block_size, 1, dev, zero=False,
+                              shared=True)
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     ids = torch.zeros(n, dtype=torch.long, device=dev)

@@ -70,7 +70,7 @@ class ModelRunner:
         self.num_blocks = plan_kv_blocks(self)
         # One tuple of tensors per layer, as its spec says: (k, v) [num_blocks, block_size, Hk, D] for attention
         self.kv_caches = allocate_caches(self.cache_layout, self.num_blocks, self.block_size, self.num_state_slots,
-                                         self.device)
+                                         self.device, shared=True)
         if config.max_num_seqs is None:  # what the cache holds at max_model_len (turnout/worker/concurrency.py)
             longest = self.cache_layout.max_blocks(self.max_model_len, self.block_size, config.max_num_batched_tokens)
             seqs = default_max_num_seqs(self.num_blocks, self.block_size, longest * self.block_size)

@@ -159,7 +159,8 @@ class RankMemory:
         if "kv_cache" in tags and self.kv_asleep:
             from turnout.worker.kv_sizing import allocate_caches
 
-            r.kv_caches = allocate_caches(r.cache_layout, r.num_blocks, r.block_size, r.num_state_slots, r.device)
+            r.kv_caches = allocate_caches(r.cache_layout, r.num_blocks, r.block_size, r.num_state_slots, r.device,
+                                          shared=True)
             self.kv_asleep = False
         if not self.is_sleeping and r.graphs is None:
             from turnout.worker.cuda_graphs import maybe_capture
