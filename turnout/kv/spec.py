@@ -4,8 +4,8 @@ A layer that keeps state across steps declares one spec (``Attention.kv_spec``);
 allocates the cache from the specs, and the block manager learns from them how long a sequence must keep
 its blocks. Two kinds of storage:
 
-- **per token**, in paged blocks shared by every token-cache layer (one block table per sequence; block ``b``
-  of every such layer holds the same tokens): ``FullAttentionSpec`` (k and v), ``SlidingWindowSpec`` (k and
+- **per token**, in paged blocks (a block table per sequence and table group, below; block ``b`` of every
+  layer of a group holds the same tokens): ``FullAttentionSpec`` (k and v), ``SlidingWindowSpec`` (k and
   v, of which a query reads only the last ``window`` tokens), ``LatentSpec`` (one compressed vector per token,
   ``kv_lora_rank + rope_dim`` wide, no separate k and v: DeepSeek-V3's multi-head latent attention);
 - **per request**, a fixed-size state in one slot per sequence whatever its length: ``StateSpec``
