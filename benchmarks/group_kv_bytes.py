@@ -1,4 +1,4 @@
-"""KV bytes of one decoding sequence per table group (turnout/kv/table_groups.py), against one block table for
+"""KV bytes of one decoding sequence per table group (turnout/kv/spec.py: table groups), against one block table for
 every layer: arithmetic from a model's config (the layers' KV specs as turnout's attention layers declare them),
 no weights and no device. The same numbers as the engine's start-up log line ("KV per sequence at max_model_len").
 

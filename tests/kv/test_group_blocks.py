@@ -1,4 +1,4 @@
-"""Per-group block tables (kv/table_groups.py, kv/group_blocks.py): the real Scheduler and GroupedBlockManager
+"""Per-group block tables (kv/spec.py: table groups, kv/group_blocks.py): the real Scheduler and GroupedBlockManager
 driven by a fake model that simulates the paged cache of each table group. Before computing, every query position
 reads back what its group's layers read through that group's table: all earlier (token, position) pairs for the
 full group, the window's for a sliding one; so a block released while still read, a block shared by two groups,

@@ -98,7 +98,7 @@ class Sequence:
 
     @property
     def block_tables(self) -> tuple[list[int], ...]:
-        """One block table per table group (kv/table_groups.py): ``block_table``, then ``group_tables``."""
+        """One block table per table group (kv/spec.py: table groups): ``block_table``, then ``group_tables``."""
         return (self.block_table, *self.group_tables) if self.group_tables else (self.block_table,)
 
     # ---- tokens ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Per-group block tables (kv/table_groups.py): one ``BlockManager`` per table group, all on one pool of pages.
+"""Per-group block tables (kv/spec.py: table groups): one ``BlockManager`` per table group, all on one pool of pages.
 Plain Python, no torch.
 
 Each group's manager keeps its own table of every sequence (group 0's is ``seq.block_table``, group g's

@@ -27,7 +27,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32, each sequence's slice of the T new tokens
     max_query_len: int  # host ints: kernels size their grids without a device sync
     max_seq_len: int
-    # Several table groups (turnout/kv/table_groups.py): (slot_mapping, block_tables) of groups 1.. (the fields
+    # Several table groups (turnout/kv/spec.py: table groups): (slot_mapping, block_tables) of groups 1.. (the fields
     # above are group 0's) and each layer's group. None with one table: every layer reads the fields above.
     group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
     layer_group: tuple[int, ...] | None = None

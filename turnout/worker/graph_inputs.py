@@ -7,7 +7,7 @@ step before. Buffers, shared by all buckets (bucket ``b`` uses rows ``[:b]``):
 [max_bs, max_blocks_per_seq], views of one int32 buffer in that order; ``query_start_loc`` [max_bs + 1] = 0,
 1, 2, ... (one token a lane, never changes), and one per multi-token query length q (0, q, 2q, ...).
 
-Several table groups (turnout/kv/table_groups.py): each group after the first has its own ``slot_mapping``
+Several table groups (turnout/kv/spec.py: table groups): each group after the first has its own ``slot_mapping``
 (int64, after group 0's, before ``seq_lens``) and ``block_tables`` (after group 0's), ``group_tables``; the
 step's copy is then one range up to group 0's last live table row, and one range per further group (its
 live rows). With one group the layout and the single copy are exactly as above.

@@ -1,4 +1,4 @@
-"""The step inputs of table groups 1.. (turnout/kv/table_groups.py: a model mixing full and sliding layers), and
+"""The step inputs of table groups 1.. (turnout/kv/spec.py: table groups: a model mixing full and sliding layers), and
 what a sequence's KV costs per group. Group 0's slot mapping and block tables are the metadata's own fields
 (worker/model_runner.py builds them as with one table); these are built beside them, once per step, and only for
 a model with several groups.

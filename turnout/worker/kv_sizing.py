@@ -45,7 +45,7 @@ def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_s
     """One tuple of tensors per layer, as its spec says: ``[num_blocks, block_size, *shape]`` for each of a token
     layer's shapes ((k, v) for attention, one latent tensor), ``[num_slots, *shape]`` for a state layer's.
     ``shared``: layers of several table groups share their owner's tensors (``layout.cache_owner``,
-    kv/table_groups.py), as the runner's caches do, whose steps give each group its own tables; off, every layer
+    kv/spec.py: table groups), as the runner's caches do, whose steps give each group its own tables; off, every layer
     has its own (a forward with one table for every layer, as a standalone check builds)."""
     make = torch.zeros if zero else torch.empty
     kw = {"pin_memory": True} if pin_memory else {}
@@ -66,7 +66,7 @@ def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_s
 
 def block_caches(caches, layout: CacheLayout) -> list[list[torch.Tensor]]:
     """Per layer, the tensors a block id indexes (none for a state layer, nor for a layer that shares its owner's
-    tensors, kv/table_groups.py: the owner, first in model order, moves them): what block copies and swaps move."""
+    tensors, kv/spec.py: table groups: the owner, first in model order, moves them): what block copies and swaps move."""
     owner = layout.cache_owner
     return [list(c) if spec.per_token and owner[i] == i else [] for i, (c, spec) in enumerate(zip(caches, layout.specs))]
 

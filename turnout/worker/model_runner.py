@@ -63,7 +63,7 @@ class ModelRunner:
         # What each layer stores (turnout/kv/spec.py), declared by the layers: this rank's shard under tensor
         # parallelism (its kv heads), in the order the model takes its caches
         self.cache_layout = model_cache_layout(self.model, self.kv_dtype)
-        # several table groups (full and sliding layers, turnout/kv/table_groups.py): each layer's; None with one
+        # several table groups (full and sliding layers, turnout/kv/spec.py: table groups): each layer's; None with one
         self.layer_group = self.cache_layout.layer_group if len(self.cache_layout.table_groups) > 1 else None
         # one state slot per sequence a step may hold, for recurrent layers (none without them)
         self.num_state_slots = (config.max_num_seqs or 256) if self.cache_layout.state_layers else 0
