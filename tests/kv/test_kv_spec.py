@@ -49,7 +49,10 @@ def test_max_blocks_per_sequence():
     assert slide.max_blocks(10, 4, 1) == 3  # never more than the sequence has
     assert slide.max_blocks(1000, 4, 64) == blocks_spanned(80, 4)  # a chunk of 64 reads the window before it
     assert FullAttentionSpec(2, 8, "float32").max_blocks(1000, 4, 1) == 250
-    assert CacheLayout((slide, FullAttentionSpec(2, 8, "float32"))).max_blocks(1000, 4, 1) == 250
+    # full and sliding layers: a table per group on one pool of one-layer pages, the full group's 250 and the
+    # sliding group's 5 (kv/spec.py: table groups); one table held 250 pages of both layers (500 layer-blocks)
+    mixed = CacheLayout((slide, FullAttentionSpec(2, 8, "float32")))
+    assert mixed.max_blocks(1000, 4, 1) == 255 and mixed.block_bytes(4) == 4 * slide.bytes_per_token
 
 
 def test_bad_specs_are_refused_by_name():

@@ -64,6 +64,7 @@ class LLMEngine:
 
         from turnout.executor import make_executor
         from turnout.kv.block_manager import BlockManager
+        from turnout.kv.group_blocks import GroupedBlockManager
         from turnout.loader.source import check_model_exists
         from turnout.ops import Policy, log_table, resolve
         from turnout.platforms import detect_platform
@@ -88,10 +89,15 @@ class LLMEngine:
         self.config = config = dataclasses.replace(config, max_num_seqs=self.runner.max_num_seqs)
         xfer = self.runner.kv_transfer  # the KV tiers' host pools and preemption mode (worker/kv_transfer.py)
         layout = self.runner.cache_layout  # what the layers store (turnout/kv/spec.py): the window, the states
-        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          swap_blocks=xfer.num_swap_blocks, offload_blocks=xfer.num_offload_blocks,
-                                          window=layout.window, state_slots=self.runner.num_state_slots,
-                                          state_swap_slots=xfer.num_host_state_slots)
+        if len(layout.table_groups) > 1:  # full and sliding layers: a block table per group (kv/group_blocks.py)
+            self.block_manager = GroupedBlockManager(
+                [g.window for g in layout.table_groups], self.executor.num_blocks, config.block_size,
+                config.enable_prefix_caching, swap_blocks=xfer.num_swap_blocks, offload_blocks=xfer.num_offload_blocks)
+        else:
+            self.block_manager = BlockManager(
+                self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
+                swap_blocks=xfer.num_swap_blocks, offload_blocks=xfer.num_offload_blocks, window=layout.window,
+                state_slots=self.runner.num_state_slots, state_swap_slots=xfer.num_host_state_slots)
         scheduler = Scheduler(self.block_manager, config.max_num_seqs, max(config.max_num_batched_tokens, 1),
                               self.max_model_len, fair_share_seqs=config.fair_share_seqs, preemption=xfer.preemption)
         self.eos_ids = self._eos_ids()

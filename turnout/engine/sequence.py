@@ -54,7 +54,7 @@ class Sequence:
     """Token state and KV bookkeeping of one sample.
 
     Invariants the scheduler keeps: ``num_cached_tokens <= num_computed_tokens <= num_tokens``;
-    ``block_table`` covers at least the first ``num_computed_tokens`` tokens; the tokens still to compute
+    ``block_table`` (with several table groups, each of ``block_tables``) covers at least the first ``num_computed_tokens`` tokens; the tokens still to compute
     are ``token_ids[num_computed_tokens:]`` (the prompt's tail while prefilling, one sampled token while
     decoding, prompt + output after a preemption).
     """
@@ -87,12 +87,19 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prefix-cache hits at the first schedule
         self.block_table: list[int] = []
+        # the tables of table groups 1.. (kv/group_blocks.py; empty with one table group): block_table is group 0's
+        self.group_tables: list[list[int]] = []
         self.num_preemptions = 0
         # structured output: each sample its own state (a fork gets a copy); its mask is a stage of the
         # sampler, and the core advances it with each token drawn
         self.grammar: GrammarState | None = None
         # prompt_logprobs / routed experts need every position computed: no prefix-cache hits (kv/block_manager.py)
         self.skip_prefix_cache = params is not None and getattr(params, "skip_prefix_cache", False)
+
+    @property
+    def block_tables(self) -> tuple[list[int], ...]:
+        """One block table per table group (kv/spec.py: table groups): ``block_table``, then ``group_tables``."""
+        return (self.block_table, *self.group_tables) if self.group_tables else (self.block_table,)
 
     # ---- tokens ---------------------------------------------------------------------------------
     @property
@@ -147,6 +154,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.block_table = list(self.block_table)
+        child.group_tables = [list(t) for t in self.group_tables]
         child.grammar = None if self.grammar is None else self.grammar.fork()
         return child
 

@@ -77,7 +77,8 @@ class StepInputs:
             seq = s.seq
             step.scheduled.append(ScheduledRequest(
                 seq.seq_id, s.start, s.num_tokens, None if lookahead else seq.token_ids[s.start:s.start + s.num_tokens],
-                (list(seq.block_table),), s.sample, list(s.draft_token_ids)))
+                (list(seq.block_table),) if not seq.group_tables else tuple(list(t) for t in seq.block_tables),
+                s.sample, list(s.draft_token_ids)))
         pending = int(lookahead)
         for seq, row in zip(lanes, rows):
             p = seq.params

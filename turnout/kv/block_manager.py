@@ -16,6 +16,9 @@ block whose content is gone; a later request sharing a prefix whose early blocks
 from where the chain breaks. Attention reads nothing before the window, so the null entries are never read
 for their content (a kernel that loads a whole table row loads block 0: valid memory).
 
+Several table groups (a model mixing full and sliding layers): kv/group_blocks.py runs one BlockManager per
+group on one shared pool (``null_block``, ``hash_root``: each group's own chains).
+
 Per-request state (kv/state_slots.py): with ``state_slots``, each sequence also holds one state slot from
 its first schedule to its end, swapped with its blocks.
 """
@@ -34,12 +37,13 @@ __all__ = ["Block", "BlockManager", "KVSequence", "block_hash"]
 class BlockManager(BlockPool, HostSwap):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  swap_blocks: int = 0, offload_blocks: int = 0, window: int | None = None, state_slots: int = 0,
-                 state_swap_slots: int = 0):
+                 state_swap_slots: int = 0, null_block: bool | None = None, hash_root: int | None = None):
         if window is not None and window < 1:
             raise ValueError(f"BlockManager: window must be >= 1 or None, got {window}")
         # host ids: [0, swap_blocks) the swap pool, then the prefix tier; with a window, block 0 is the null block
+        # (``null_block``: also without one, for a table group sharing its pool with sliding groups)
         super().__init__(num_blocks, block_size, enable_prefix_caching, offload_blocks, host_base=swap_blocks,
-                         null_block=window is not None)
+                         null_block=window is not None if null_block is None else null_block, hash_root=hash_root)
         self.window = window
         self.num_copy_on_write = 0
         self.swap_pool = HostBlockPool(swap_blocks)

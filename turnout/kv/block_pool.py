@@ -65,7 +65,7 @@ class BlockPool:
     block manager's tables."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, offload_blocks: int = 0,
-                 host_base: int = 0, null_block: bool = False):
+                 host_base: int = 0, null_block: bool = False, hash_root: int | None = None):
         if num_blocks < 1 + null_block or block_size < 1:
             raise ValueError(f"BlockManager needs num_blocks >= {1 + null_block} and block_size >= 1, got "
                              f"{num_blocks}, {block_size}")
@@ -74,6 +74,7 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.null_block = 0 if null_block else None
         self.capacity = num_blocks - null_block  # blocks a sequence can be given
+        self.hash_root = hash_root  # the parent of a chain's first block (a table group's own, kv/group_blocks.py)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # free, no cached content: used first
         self._free_plain: deque[int] = deque(range(num_blocks - self.capacity, num_blocks))
@@ -90,6 +91,14 @@ class BlockPool:
                            if offload_blocks > 0 and enable_prefix_caching else None)
         self._to_host: list[tuple[int, int]] = []  # (device, host) copies queued for this step
         self._to_device: list[tuple[int, int]] = []  # (host, device)
+
+    def share_pool(self, other: BlockPool) -> None:
+        """Use ``other``'s blocks, free lists, hash index and host tier (its containers, mutated in place on
+        both sides): a table group of kv/group_blocks.py. Counters and queued copies stay each one's own."""
+        if (other.num_blocks, other.block_size, other.null_block) != (self.num_blocks, self.block_size, self.null_block):
+            raise ValueError("share_pool: the pools differ in num_blocks, block_size or null block")
+        self.blocks, self._free_plain, self._free_cached = other.blocks, other._free_plain, other._free_cached
+        self._hash_to_block, self.host_cache = other._hash_to_block, other.host_cache
 
     # ---- state ----------------------------------------------------------------------------------
     @property
@@ -155,7 +164,7 @@ class BlockPool:
             return []  # (a sequence whose every prompt position must be computed: prompt_logprobs)
         bs, tokens = self.block_size, seq.token_ids
         hits: list = []
-        parent = None
+        parent = self.hash_root
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
@@ -186,7 +195,7 @@ class BlockPool:
             first -= 1
         if first > 0 and table[first - 1] == self.null_block:
             return  # the chain's parent was released unregistered (swapped back in): these stay unregistered
-        parent = self.blocks[table[first - 1]].hash if first > 0 else None
+        parent = self.blocks[table[first - 1]].hash if first > 0 else self.hash_root
         for i in range(first, num_full):
             block = self.blocks[table[i]]
             chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])

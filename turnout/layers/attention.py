@@ -6,7 +6,7 @@ global). The layer writes this step's keys/values into the paged cache, then att
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -33,10 +33,23 @@ class AttentionMetadata:
     query_start_loc_host: tuple[int, ...] | None = None
     # The latent-attention model's per-step plan (turnout/layers/mla_prefill.py), made by its forward; None elsewhere
     latent_prefill: object | None = None
+    # Several table groups (turnout/kv/spec.py: table groups): (slot_mapping, block_tables) of groups 1.. (the fields
+    # above are group 0's) and each layer's group. None with one table: every layer reads the fields above.
+    group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    layer_group: tuple[int, ...] | None = None
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    def layer_metas(self) -> list[AttentionMetadata] | None:
+        """The metadata each layer reads (its table group's slot mapping and block tables); None with one
+        table (every layer reads this one)."""
+        if self.group_tables is None:
+            return None
+        groups = [self] + [replace(self, slot_mapping=s, block_tables=t, group_tables=None, layer_group=None)
+                           for s, t in self.group_tables]
+        return [groups[g] for g in self.layer_group]
 
 
 def _scale_loader(param: torch.Tensor, tensor: torch.Tensor, shard_id=None) -> None:

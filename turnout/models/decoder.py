@@ -183,8 +183,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        metas = meta.layer_metas()  # None: one block table, every layer reads meta
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta if metas is None else metas[i])
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

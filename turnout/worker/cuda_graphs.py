@@ -50,8 +50,10 @@ class DecodeGraphs:
     """One CUDA graph per bucket, one memory pool, static inputs; see the module docstring."""
 
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int, device,
-                 max_bucket: int = MAX_GRAPH_BATCH, upload_stream=None, max_query_len: int = 1):
+                 max_bucket: int = MAX_GRAPH_BATCH, upload_stream=None, max_query_len: int = 1,
+                 layer_group: tuple[int, ...] | None = None):
         self.model = model
+        self.layer_group = layer_group  # several table groups: each layer's (their tables are graph inputs too)
         self.kv_caches = kv_caches
         self.device = torch.device(device)
         self.buckets = graph_buckets(max_num_seqs, max_bucket)
@@ -67,7 +69,7 @@ class DecodeGraphs:
         self.num_replays = 0
         self.num_multi_token_replays = 0  # of those, at a query length > 1
         self.inputs = StaticInputs(self.buckets[-1], self.max_blocks, self.device, upload_stream,
-                                   list(self.multi_buckets))
+                                   list(self.multi_buckets), 1 if layer_group is None else 1 + max(layer_group))
         inp = self.inputs  # the buffers the graphs read, under the names capture and the benchmarks use
         self.input_ids, self.positions, self.slot_mapping = inp.input_ids, inp.positions, inp.slot_mapping
         self.seq_lens, self.block_tables, self.query_start_loc = inp.seq_lens, inp.block_tables, inp.query_start_loc
@@ -86,9 +88,13 @@ class DecodeGraphs:
 
     def _meta(self, b: int, q: int = 1) -> AttentionMetadata:
         qsl = self.query_start_loc if q == 1 else self.inputs.multi_qsl[q]
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:b * q], block_tables=self.block_tables[:b],
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:b * q], block_tables=self.block_tables[:b],
                                  seq_lens=self.seq_lens[:b], query_start_loc=qsl[:b + 1],
                                  max_query_len=q, max_seq_len=self.max_model_len)
+        if self.layer_group is not None:  # each further table group's static slots and tables
+            meta.group_tables = tuple((s[:b * q], t[:b]) for s, t in self.inputs.group_tables)
+            meta.layer_group = self.layer_group
+        return meta
 
     def _forward(self, b: int, q: int = 1) -> None:
         t = b * q
@@ -177,6 +183,8 @@ class DecodeGraphs:
     def can_run(self, num_sampled: int, meta: AttentionMetadata) -> bool:
         n, q = int(meta.seq_lens.shape[0]), meta.max_query_len
         tokens, width = int(meta.slot_mapping.shape[0]), int(meta.block_tables.shape[1])
+        if meta.group_tables is not None:  # every group's tables must fit the static ones
+            width = max([width] + [int(t.shape[1]) for _, t in meta.group_tables])
         if q == 1 or not self.enabled:
             return self.enabled and is_graphable(tokens, n, num_sampled, q, width, self.max_blocks, self.buckets)
         # every sequence q tokens (n q tokens, none longer than q), every position draws
@@ -220,6 +228,7 @@ def maybe_capture(runner) -> DecodeGraphs | None:
         return None
     graphs = DecodeGraphs(runner.model, runner.kv_caches, config.max_num_seqs, runner.max_model_len,
                           runner.block_size, runner.device, upload_stream=runner._upload,
-                          max_query_len=1 + getattr(config, "num_speculative_tokens", 0))
+                          max_query_len=1 + getattr(config, "num_speculative_tokens", 0),
+                          layer_group=runner.layer_group)
     graphs.capture()
     return graphs

@@ -41,14 +41,20 @@ def model_cache_layout(model, cache_dtype: torch.dtype) -> CacheLayout:
 
 
 def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_slots: int, device,
-                    pin_memory: bool = False, zero: bool = True) -> list[tuple[torch.Tensor, ...]]:
+                    pin_memory: bool = False, zero: bool = True, shared: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """One tuple of tensors per layer, as its spec says: ``[num_blocks, block_size, *shape]`` for each of a token
-    layer's shapes ((k, v) for attention, one latent tensor), ``[num_slots, *shape]`` for a state layer's."""
+    layer's shapes ((k, v) for attention, one latent tensor), ``[num_slots, *shape]`` for a state layer's.
+    ``shared``: layers of several table groups share their owner's tensors (``layout.cache_owner``,
+    kv/spec.py: table groups), as the runner's caches do, whose steps give each group its own tables; off, every layer
+    has its own (a forward with one table for every layer, as a standalone check builds)."""
     make = torch.zeros if zero else torch.empty
     kw = {"pin_memory": True} if pin_memory else {}
     out = []
-    for spec in layout.specs:
-        if spec.per_token:
+    owner = layout.cache_owner if shared else range(len(layout.specs))  # layer j of every group shares tensors
+    for i, spec in enumerate(layout.specs):
+        if owner[i] != i:
+            out.append(out[owner[i]])
+        elif spec.per_token:
             dtype = getattr(torch, spec.dtype)
             out.append(tuple(make((num_blocks, block_size, *shape), dtype=dtype, device=device, **kw)
                              for shape in spec.token_shapes))
@@ -59,8 +65,15 @@ def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_s
 
 
 def block_caches(caches, layout: CacheLayout) -> list[list[torch.Tensor]]:
-    """Per layer, the tensors a block id indexes (none for a state layer): what block copies and swaps move."""
-    return [list(c) if spec.per_token else [] for c, spec in zip(caches, layout.specs)]
+    """Per layer, the tensors a block id indexes (none for a state layer, nor for a layer that shares its owner's
+    tensors, kv/spec.py: table groups: the owner, first in model order, moves them): what block copies and swaps move."""
+    owner = layout.cache_owner
+    return [list(c) if spec.per_token and owner[i] == i else [] for i, (c, spec) in enumerate(zip(caches, layout.specs))]
+
+
+def unique_block_tensors(caches) -> list[torch.Tensor]:
+    """Every cache tensor once (layers of several table groups share them): what a copy-on-write copies."""
+    return list({id(c): c for kv in caches for c in kv}.values())
 
 
 def state_caches(caches, layout: CacheLayout) -> list[list[torch.Tensor]]:
@@ -69,7 +82,7 @@ def state_caches(caches, layout: CacheLayout) -> list[list[torch.Tensor]]:
 
 
 def cache_bytes(caches) -> int:
-    return sum(t.numel() * t.element_size() for layer in caches for t in layer)
+    return sum(t.numel() * t.element_size() for t in unique_block_tensors(caches))
 
 
 def kv_dtype(runner) -> torch.dtype:
@@ -104,7 +117,8 @@ def profile_gpu_budget(runner) -> int:
     dev = runner.device
     n = runner.config.max_num_batched_tokens
     scratch_blocks = math.ceil(n / runner.block_size) + 1
-    scratch = allocate_caches(runner.cache_layout, scratch_blocks, runner.block_size, 1, dev, zero=False)
+    scratch = allocate_caches(runner.cache_layout, scratch_blocks, runner.block_size, 1, dev, zero=False,
+                              shared=True)
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     ids = torch.zeros(n, dtype=torch.long, device=dev)

@@ -137,7 +137,7 @@ class KVTransfer:
         r = self.runner
         pin = r.device.type == "cuda"  # DMA straight from / to the pages; plain (lazily touched) memory on CPU
         return allocate_caches(r.cache_layout, n, r.block_size, self.num_host_state_slots, "cpu", pin_memory=pin,
-                               zero=False)
+                               zero=False, shared=True)
 
     def _blocks(self) -> tuple[list, list]:
         """Per layer, the (device, host) tensors a block id indexes (none for a state layer)."""

@@ -10,7 +10,14 @@ import torch
 from turnout.layers.attention import AttentionMetadata
 from turnout.worker.concurrency import default_max_num_seqs
 from turnout.worker.cuda_graphs import maybe_capture
-from turnout.worker.kv_sizing import allocate_caches, kv_dtype, model_cache_layout, plan_kv_blocks
+from turnout.worker.group_inputs import group_tables, kv_bytes_line
+from turnout.worker.kv_sizing import (
+    allocate_caches,
+    kv_dtype,
+    model_cache_layout,
+    plan_kv_blocks,
+    unique_block_tensors,
+)
 from turnout.worker.kv_transfer import KVTransfer
 from turnout.worker.layer_gate import LayerGatedCaches
 from turnout.worker.prompt_logprobs import compute_chunks, merge_rows, prompt_rows
@@ -56,12 +63,14 @@ class ModelRunner:
         # What each layer stores (turnout/kv/spec.py), declared by the layers: this rank's shard under tensor
         # parallelism (its kv heads), in the order the model takes its caches
         self.cache_layout = model_cache_layout(self.model, self.kv_dtype)
+        # several table groups (full and sliding layers, turnout/kv/spec.py: table groups): each layer's; None with one
+        self.layer_group = self.cache_layout.layer_group if len(self.cache_layout.table_groups) > 1 else None
         # one state slot per sequence a step may hold, for recurrent layers (none without them)
         self.num_state_slots = (config.max_num_seqs or 256) if self.cache_layout.state_layers else 0
         self.num_blocks = plan_kv_blocks(self)
         # One tuple of tensors per layer, as its spec says: (k, v) [num_blocks, block_size, Hk, D] for attention
         self.kv_caches = allocate_caches(self.cache_layout, self.num_blocks, self.block_size, self.num_state_slots,
-                                         self.device)
+                                         self.device, shared=True)
         if config.max_num_seqs is None:  # what the cache holds at max_model_len (turnout/worker/concurrency.py)
             longest = self.cache_layout.max_blocks(self.max_model_len, self.block_size, config.max_num_batched_tokens)
             seqs = default_max_num_seqs(self.num_blocks, self.block_size, longest * self.block_size)
@@ -69,6 +78,9 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s; %s); max_num_seqs %d", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_bytes / 2**30,
                     str(self.kv_dtype).replace("torch.", ""), self.cache_layout.describe(), config.max_num_seqs)
+        if self.layer_group is not None:
+            logger.info("KV per sequence at max_model_len %d: %s", self.max_model_len,
+                        kv_bytes_line(self.cache_layout, self.max_model_len, self.block_size))
         # KV tiers: host caches, swap strategy, start-up measurements for preemption_mode auto (kv_transfer.py)
         self.kv_transfer = KVTransfer(self, config)
         self._swap_gate = None  # this step's swap-ins, passed layer by layer by the next forward
@@ -119,6 +131,9 @@ class ModelRunner:
         dev = self.device
         meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(dev, non_blocking=True) for f in
                                             ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")})
+        if meta.group_tables is not None:
+            meta.group_tables = tuple((s.to(dev, non_blocking=True), b.to(dev, non_blocking=True))
+                                      for s, b in meta.group_tables)
         return ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), meta
 
     def prepare_host(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
@@ -152,6 +167,9 @@ class ModelRunner:
                                  seq_lens=t(lens, torch.int32), query_start_loc=t(qsl, torch.int32),
                                  max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(lens))),
                                  max_seq_len=max(lens), seq_lens_host=tuple(lens), query_start_loc_host=tuple(qsl))
+        if self.layer_group is not None:  # several table groups: theirs too (worker/group_inputs.py)
+            meta.group_tables = group_tables(scheduled, self.block_size, max_blocks, t)
+            meta.layer_group = self.layer_group
         return t(ids, torch.long), t(pos, torch.long), meta, sample_idx
 
     def _entry_inputs(self, s: ScheduledRequest) -> tuple[list[int], list[int]]:
@@ -175,7 +193,7 @@ class ModelRunner:
             if self.step_publisher is not None:
                 self.step_publisher.copy_blocks(step.copy_on_write)
             mapping = self._h2d(list(step.copy_on_write), torch.long)
-            self.ops.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
+            self.ops.copy_blocks(unique_block_tensors(self.kv_caches), mapping)
         if step.swap_in:  # after copy-on-write, before any read of the blocks (kv/tiers.py: the copy order)
             if self.step_publisher is not None:  # every rank holds its shard of the blocks
                 self.step_publisher.swap_in(list(step.swap_in))

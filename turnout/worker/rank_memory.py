@@ -79,7 +79,7 @@ class RankMemory:
         """Bytes held by this rank's parameters, KV cache and host copies (storage sizes: what is really held)."""
         r = self.runner
         params = sum(p.untyped_storage().nbytes() for _, p in _unique_params(r.model))
-        kv = sum(t.untyped_storage().nbytes() for layer in r.kv_caches for t in layer)
+        kv = sum(t.untyped_storage().nbytes() for t in {id(t): t for layer in r.kv_caches for t in layer}.values())
         host = sum(s.host.untyped_storage().nbytes() for s in self._saved.values() if s.host is not None)
         return {"weights": params, "kv_cache": kv, "host_weights": host}
 
@@ -159,7 +159,8 @@ class RankMemory:
         if "kv_cache" in tags and self.kv_asleep:
             from turnout.worker.kv_sizing import allocate_caches
 
-            r.kv_caches = allocate_caches(r.cache_layout, r.num_blocks, r.block_size, r.num_state_slots, r.device)
+            r.kv_caches = allocate_caches(r.cache_layout, r.num_blocks, r.block_size, r.num_state_slots, r.device,
+                                          shared=True)
             self.kv_asleep = False
         if not self.is_sleeping and r.graphs is None:
             from turnout.worker.cuda_graphs import maybe_capture

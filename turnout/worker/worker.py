@@ -18,6 +18,7 @@ import traceback
 import torch
 
 from turnout.worker import step_codec
+from turnout.worker.kv_sizing import unique_block_tensors
 from turnout.worker.layer_gate import LayerGatedCaches
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ class Worker:
         them, and never sampled here."""
         r = self.runner
         input_ids, positions, meta, sample_idx, has_lanes, pending = step_codec.decode_step(msg)
+        if meta.group_tables is not None:  # several table groups: each layer's, as this rank's layout says
+            meta.layer_group = r.layer_group
         if pending:  # a lookahead step: its inputs are the driver's sampled tokens, still on its device
             import torch.distributed as dist
 
@@ -156,7 +159,7 @@ class Worker:
     def copy_blocks(self, msg: bytes) -> None:
         pairs = step_codec.decode_copy(msg)
         mapping = torch.tensor(pairs, dtype=torch.long, device=self.device)
-        self.ops.copy_blocks([c for kv in self.runner.kv_caches for c in kv], mapping)
+        self.ops.copy_blocks(unique_block_tensors(self.runner.kv_caches), mapping)
 
     def serve(self, conn_in, conn_out, progress=None) -> None:
         """The loop of a spawned rank: until the engine says quit or its end of the pipe closes.

@@ -90,14 +90,14 @@ class StepAttention:
         self.calls += 1
         layer = self.layers[i]
         k_cache, v_cache = self.kv_caches[i]
+        meta = self.meta if self.meta.group_tables is None else self.meta.layer_metas()[i]  # its table group's
         d = k_cache.shape[-1]
         q, k, v = (_tokens_heads_dim(x, d) for x in (query, key, value))  # [T, H, D] each, padded to the cache's D
         kw = layer.cache_kwargs
-        layer.ops.reshape_and_cache(k, v, k_cache, v_cache, self.meta.slot_mapping, **kw)
+        layer.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, **kw)
         variant = layer.variant_kwargs
         if sinks is not None:  # transformers' own parameter (this rank's heads), float32 for the softmax
             variant["sinks"] = sinks.float()
-        meta = self.meta
         out = layer.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                         meta.max_query_len, meta.max_seq_len, layer.scale, **kw, **variant)
         return out[None, :, :, :value.shape[-1]], None  # [1, T, Hq, Dv]: what transformers' modules reshape
