@@ -279,28 +279,12 @@ class EngineCore:
 
 def _accept_grammar_tokens(lanes: list[tuple[Sequence, list[int]]]) -> dict:
     """seq_id -> True, the index of the first token refused, or the exception, for each (sequence with a grammar,
-    its tokens of the step): the one-token lanes in one batch call (turnout/structured/matcher.py accept_batch);
-    a lane that kept drafts accepts its tokens in order, up to a token that ends its grammar (the output
-    processor ends the sequence there)."""
+    its tokens of the step) (turnout/structured/matcher.py accept_step_tokens)."""
     if not lanes:
         return {}
-    from turnout.structured.matcher import accept_batch
+    from turnout.structured.matcher import accept_step_tokens
 
-    single = [(seq, toks[0]) for seq, toks in lanes if len(toks) == 1]
-    out = {seq.seq_id: True if ok is True else 0 if ok is False else ok
-           for (seq, _), ok in zip(single, accept_batch([(seq.grammar, tok) for seq, tok in single]))}
-    for seq, toks in lanes:
-        if len(toks) > 1:
-            try:
-                n = 0
-                while n < len(toks) and seq.grammar.accept_token(toks[n]):
-                    n += 1
-                    if seq.grammar.is_terminated():
-                        break
-                out[seq.seq_id] = True if n == len(toks) or seq.grammar.is_terminated() else n
-            except Exception as e:  # noqa: BLE001 - the request's grammar: it fails alone
-                out[seq.seq_id] = e
-    return out
+    return dict(zip((seq.seq_id for seq, _ in lanes), accept_step_tokens([(seq.grammar, t) for seq, t in lanes])))
 
 
 def _without_finished(out: SchedulerOutput) -> SchedulerOutput:

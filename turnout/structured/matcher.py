@@ -129,13 +129,14 @@ class DraftedGrammarState:
         self.state, self.drafts = state, list(drafts)
 
     def _advanced(self, fn):
-        n = self.state.accept_tokens(self.drafts)
+        before = self.state.num_accepted
         try:
+            n = self.state.accept_tokens(self.drafts)
             if n < len(self.drafts):  # checked when proposed (valid_draft_prefix): a bug, not the request's
                 raise RuntimeError(f"draft token {self.drafts[n]} at position {n} is not allowed by the grammar")
             return fn()
         finally:
-            self.state.rollback(n)
+            self.state.rollback(self.state.num_accepted - before)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> bool:
         return self._advanced(lambda: self.state.fill_bitmask(bitmask, row))
@@ -144,20 +145,44 @@ class DraftedGrammarState:
         return self._advanced(self.state.is_terminated)
 
 
+def accept_until_end(state, token_ids: Sequence[int]) -> int:
+    """Accept ``token_ids`` in order until one is refused or one ends the grammar; how many were accepted."""
+    n = 0
+    for t in token_ids:
+        if not state.accept_token(t):
+            break
+        n += 1
+        if state.is_terminated():
+            break
+    return n
+
+
 def valid_draft_prefix(state: GrammarState, drafts: Sequence[int]) -> int:
     """How many of ``drafts`` the grammar allows in a row from ``state`` (left unchanged), stopping after a
     token that ends it: drafts past that point could never be kept."""
-    n = 0
+    before = state.num_accepted
     try:
-        for t in drafts:
-            if not state.accept_token(t):
-                break
-            n += 1
-            if state.is_terminated():
-                break
+        return accept_until_end(state, drafts)
     finally:
-        state.rollback(n)
-    return n
+        state.rollback(state.num_accepted - before)
+
+
+def accept_step_tokens(pairs: Sequence[tuple[GrammarState, Sequence[int]]]) -> list:
+    """Each (state, its tokens of a step) -> True, the index of the first token refused, or the exception its
+    state raised. The one-token lanes go through one ``accept_batch`` call; a lane that kept drafts accepts its
+    tokens in order, up to a token that ends its grammar (the output processor ends the sequence there)."""
+    out: list = [None] * len(pairs)
+    single = [i for i, (_, toks) in enumerate(pairs) if len(toks) == 1]
+    for i, ok in zip(single, accept_batch([(pairs[i][0], pairs[i][1][0]) for i in single])):
+        out[i] = True if ok is True else 0 if ok is False else ok
+    for i, (state, toks) in enumerate(pairs):
+        if len(toks) > 1:
+            try:
+                n = accept_until_end(state, toks)
+                out[i] = True if n == len(toks) or state.is_terminated() else n
+            except Exception as e:  # noqa: BLE001 - the request's grammar: it fails alone
+                out[i] = e
+    return out
 
 
 def accept_batch(pairs: Sequence[tuple[GrammarState, int]], *, batch_from: int = 8) -> list:
