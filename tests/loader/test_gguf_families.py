@@ -19,8 +19,9 @@ import transformers
 GGUFWriter = pytest.importorskip("gguf").GGUFWriter
 pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
 
+from test_gguf_vs_hf import _write_gguf  # noqa: E402  (the same directory: llama.cpp's layout per arch)
 from turnout import LLM, SamplingParams  # noqa: E402
-from turnout.loader.gguf import NORM_SHIFTED, _hf_names, iter_gguf_weights  # noqa: E402
+from turnout.loader.gguf import iter_gguf_weights  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -37,44 +38,6 @@ def _config(arch: str):
     if arch == "phi3":
         return transformers.Phi3Config(**COMMON, pad_token_id=0, tie_word_embeddings=False)
     raise AssertionError(arch)
-
-
-def _write_gguf(model, arch: str, path) -> None:
-    cfg = model.config
-    to_gguf = {hf: g for g, hf in _hf_names(arch).items()}
-    w = GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    if arch in NORM_SHIFTED:
-        w.add_sliding_window(cfg.sliding_window)
-    if arch == "phi3":
-        w.add_pad_token_id(0)  # else transformers' default (32000) is past the tiny vocabulary
-        w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    for name, t in model.state_dict().items():
-        stem, _, suffix = name.rpartition(".")
-        if stem == "lm_head" and getattr(cfg, "tie_word_embeddings", False):
-            continue  # tied: the file has no output tensor (llama.cpp's Gemma files)
-        arr = t.float().numpy()
-        parts = stem.split(".")
-        key = ".".join(parts[:2] + ["{bid}"] + parts[3:]) if stem.startswith("model.layers.") else stem
-        gguf = to_gguf[key].format(bid=parts[2] if "{bid}" in key else "")
-        if arch in NORM_SHIFTED and "norm" in stem:
-            arr = arr + 1.0
-        w.add_tensor(f"{gguf}.{suffix}", np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def _prompts():

@@ -15,7 +15,7 @@ import transformers
 
 GGUFWriter = pytest.importorskip("gguf").GGUFWriter
 
-from turnout.loader.gguf import _hf_names, iter_gguf_weights
+from turnout.loader.gguf import NORM_SHIFTED, _hf_names, iter_gguf_weights
 
 pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
 
@@ -43,8 +43,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _write_gguf(model, arch: str, path) -> None:
+    """``model`` as an F32 GGUF in llama.cpp's layout for ``arch`` (tests/loader/test_gguf_families.py writes
+    Gemma 2/3 and Phi-3 files with it too): llama's Q/K rows permuted, experts stacked, Gemma's norms stored as
+    1 + w and a tied head left out."""
     cfg = model.config
-    to_gguf = {hf: g for g, hf in _hf_names().items()}
+    to_gguf = {hf: g for g, hf in _hf_names(arch).items()}
     w = GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -53,7 +56,12 @@ def _write_gguf(model, arch: str, path) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    if arch in NORM_SHIFTED:
+        w.add_sliding_window(cfg.sliding_window)
+    else:
+        w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    if arch == "phi3":
+        w.add_pad_token_id(0)  # else transformers' default (32000) is past the tiny vocabulary
     w.add_vocab_size(cfg.vocab_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
@@ -64,6 +72,8 @@ def _write_gguf(model, arch: str, path) -> None:
         w.add_expert_used_count(cfg.num_experts_per_tok)
     for name, t in model.state_dict().items():
         stem, _, suffix = name.rpartition(".")
+        if stem == "lm_head" and getattr(cfg, "tie_word_embeddings", False):
+            continue  # tied: the file has no output tensor (llama.cpp's Gemma files)
         arr = t.float().numpy()
         if stem.endswith("mlp.experts") and suffix in ("gate_up_proj", "down_proj"):  # transformers 5: fused
             layer = stem.split(".")[2]
@@ -76,6 +86,8 @@ def _write_gguf(model, arch: str, path) -> None:
         gguf = to_gguf[key].format(bid=parts[2] if "{bid}" in key else "")
         if arch == "llama" and gguf.endswith(("attn_q", "attn_k")):
             arr = _permute(arr, cfg.num_attention_heads if gguf.endswith("q") else cfg.num_key_value_heads)
+        if arch in NORM_SHIFTED and "norm" in stem:
+            arr = arr + 1.0
         w.add_tensor(f"{gguf}.{suffix}", np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
