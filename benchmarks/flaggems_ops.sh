@@ -21,7 +21,7 @@ site=${TMPDIR:-/tmp}/flaggems-site  # not under $OUT: only the results come back
 mkdir -p "$out"
 python -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" "$wheels"/*.whl \
   ./plugins/turnout-flaggems || exit 1
-export PYTHONPATH=$site:$PWD
+export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 ops=$(python -c 'from turnout_flaggems import OPS; print(",".join(OPS))')
 python -c 'import flag_gems, sys; print("flag_gems", flag_gems.__version__, "on", flag_gems.vendor_name)' 2>&1 | tail -3
 timeout 60 python -m turnout.entrypoints.cli ops --op "$ops" > "$out/ops.txt" 2>&1

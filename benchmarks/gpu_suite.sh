@@ -10,7 +10,9 @@
 # the caps add up to no more than the budget, so no step is skipped for lack of time: a slow step is cut
 # at its cap (timed_out) and the next one runs. docs/gpu.md has the measured time of each part.
 #   tests:
-#   pytest_gpu     python -m pytest -m gpu tests/           -> pytest_gpu.xml            cap 300 s
+#   pytest_gpu     python -m pytest -m gpu tests/ (engine group)  -> pytest_gpu.xml      cap PYTEST_CAP (300 s)
+#   and at the same time, one after another:
+#   pytest_gpu_kernels  the op-level GPU tests (KERNEL_TESTS)   -> pytest_gpu_kernels.xml  cap PYTEST_CAP
 #   ops_check      turnout ops --check --json (conformance)  -> ops_check.json           cap 150 s
 #   kernels        python benchmarks/op_kernels.py              -> kernels.log (JSON lines)  cap 50 s
 #   bench:
@@ -63,36 +65,7 @@ STEPS="$OUT/steps_$PART.jsonl"
 
 summarize() { "$PY" benchmarks/gpu_suite_summary.py "$OUT" >/dev/null 2>>"$OUT/summary.log" || true; }
 
-# step NAME CAP_S CMD... : run CMD with stdout+stderr to OUTDIR/NAME.log under min(CAP, budget left).
-step() {
-  local name=$1 cap=$2
-  shift 2
-  local now left limit t0 rc timed_out
-  now=$(date +%s)
-  left=$((BUDGET - (now - START) - RESERVE))
-  limit=$((cap < left ? cap : left))
-  if [[ " ${SKIP:-} " == *" $name "* ]]; then
-    printf '{"step":"%s","status":"skipped","reason":"SKIP"}\n' "$name" >>"$STEPS"
-    return
-  fi
-  if ((limit < 15)); then
-    printf '{"step":"%s","status":"skipped","reason":"no time left (%ss)"}\n' "$name" "$left" >>"$STEPS"
-    summarize
-    return
-  fi
-  echo "[gpu_suite] $(date +%T) $name (limit ${limit}s): $*" >&2
-  t0=$(date +%s%N)
-  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  ms=$((($(date +%s%N) - t0) / 1000000))
-  timed_out=false
-  if ((rc == 124 || rc == 137)); then timed_out=true; fi
-  printf '{"step":"%s","status":"%s","rc":%d,"timed_out":%s,"limit_s":%d,"seconds":%d.%03d,"log":"%s.log"}\n' \
-    "$name" "$([[ $rc == 0 ]] && echo ok || echo failed)" "$rc" "$timed_out" "$limit" \
-    $((ms / 1000)) $((ms % 1000)) "$name" >>"$STEPS"
-  echo "[gpu_suite] $name rc=$rc" >&2
-  summarize
-}
+source benchmarks/suite_steps.sh
 
 "$PY" - >"$OUT/env.json" 2>"$OUT/env.log" <<'EOF' || true
 import json, torch
@@ -109,17 +82,39 @@ except Exception: info["pytest_timeout"] = False
 print(json.dumps(info))
 EOF
 
+# The GPU tests in two groups that run at once on the one GPU (a cold Triton cache makes the suite compile-bound,
+# and compiling is CPU work): the kernel group (op-level tests that build no engine, so they size no KV cache
+# from the free memory) and, beside it, the engine group (everything else). The kernel group's chain then runs
+# the conformance suite and the kernel benchmarks, which also build no engine. GPU_TESTS_SERIAL=1: one process.
+KERNEL_TESTS=(tests/ops tests/moe/test_moe_decode.py tests/moe/test_moe_backends.py tests/quant/test_fp8_gpu.py
+  tests/quant/test_w4_gpu.py tests/quant/test_w4_moe_gpu.py tests/quant/test_fp8_moe_gpu.py
+  tests/structured/test_bitmask_stage.py)
+
 tests_part() {
-  # 1. GPU tests. Server tests need fastapi; their collection errors must not stop the rest.
-  PT_TIMEOUT=()
-  if "$PY" -c "import pytest_timeout" 2>/dev/null; then PT_TIMEOUT=(--timeout 120); fi
-  step pytest_gpu ${PYTEST_CAP:-300} "$PY" -m pytest -q -m gpu tests/ --maxfail=5 --continue-on-collection-errors -p no:cacheprovider \
-    ${PT_TIMEOUT[@]+"${PT_TIMEOUT[@]}"} --junitxml="$OUT/pytest_gpu.xml"
+  # Server tests need fastapi; their collection errors must not stop the rest.
+  PT_ARGS=(-q -m gpu --maxfail=10 --continue-on-collection-errors -p no:cacheprovider)
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then PT_ARGS+=(--timeout 150); fi
+  local cap=${PYTEST_CAP:-300}
+  if [[ "${GPU_TESTS_SERIAL:-0}" == 1 ]]; then
+    step pytest_gpu "$cap" "$PY" -m pytest "${PT_ARGS[@]}" tests/ --junitxml="$OUT/pytest_gpu.xml"
+    kernel_chain
+    return
+  fi
+  local ignore=() f
+  for f in "${KERNEL_TESTS[@]}"; do ignore+=("--ignore=$f"); done
+  (
+    step pytest_gpu_kernels "$cap" "$PY" -m pytest "${PT_ARGS[@]}" "${KERNEL_TESTS[@]}" \
+      --junitxml="$OUT/pytest_gpu_kernels.xml"
+    kernel_chain
+  ) &
+  local chain=$!
+  step pytest_gpu "$cap" "$PY" -m pytest "${PT_ARGS[@]}" tests/ "${ignore[@]}" --junitxml="$OUT/pytest_gpu.xml"
+  wait "$chain"
+}
 
-  # 2. Conformance suite on CUDA (JSON on stdout).
+kernel_chain() {
+  # Conformance suite on CUDA (JSON on stdout).
   step ops_check 150 bash -c "exec \"$PY\" -m turnout.entrypoints.cli ops --check --json >\"$OUT/ops_check.json\""
-
-  # 3. Kernel micro-benchmarks (another engineer's script; skipped when absent).
   if [[ -f benchmarks/op_kernels.py ]]; then
     # KERNELS_ARGS replaces the defaults (the PyTorch reference peer is slow: skipped unless asked for).
     step kernels 50 "$PY" benchmarks/op_kernels.py ${KERNELS_ARGS:---no-reference --json "$OUT/kernels.json"}

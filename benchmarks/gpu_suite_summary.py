@@ -54,7 +54,7 @@ def _junit(path: str, problems: dict):
     try:
         root = ET.parse(path).getroot()
     except Exception as e:  # noqa: BLE001
-        problems["pytest_gpu.xml"] = f"{type(e).__name__}: {e}"
+        problems[os.path.basename(path)] = f"{type(e).__name__}: {e}"
         return None
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     tot = {k: sum(int(s.get(k, 0) or 0) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
@@ -68,6 +68,19 @@ def _junit(path: str, problems: dict):
                 bad.append({"test": f"{case.get('classname')}::{case.get('name')}", "kind": kind,
                             "message": (msg[0] if msg else "")[:400]})
     tot["not_passed"] = bad[:40]
+    return tot
+
+
+JUNIT_FILES = ("pytest_gpu.xml", "pytest_gpu_kernels.xml")  # the engine group, the kernel group (run at once)
+
+
+def _merge_junit(parts: list) -> dict | None:
+    """The GPU tests' counts over both groups' XML files (None where neither exists)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    tot = {k: sum(p[k] for p in parts) for k in ("tests", "failures", "errors", "skipped", "passed")}
+    tot["not_passed"] = [b for p in parts for b in p["not_passed"]][:40]
     return tot
 
 
@@ -171,7 +184,7 @@ def build(out: str) -> dict:
     problems: dict = {}
     r: dict = {"outdir": out, "env": _load_json(os.path.join(out, "env.json"), problems),
                "steps": _steps(out, problems)}
-    r["pytest_gpu"] = _junit(os.path.join(out, "pytest_gpu.xml"), problems)
+    r["pytest_gpu"] = _merge_junit([_junit(os.path.join(out, name), problems) for name in JUNIT_FILES])
     ops = _load_json(os.path.join(out, "ops_check.json"), problems)
     if isinstance(ops, list):
         r["ops_check"] = {"impls_tested": len(ops), "passed": sum(1 for s in ops if s.get("passed")),
