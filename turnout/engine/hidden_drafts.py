@@ -203,3 +203,36 @@ class MTPHead:
 
     def draft(self, stream: torch.Tensor) -> torch.Tensor:
         return self.layer.compute_logits(stream).argmax(-1)
+
+
+def build_hidden_state_proposer(spec, runner, tensor_parallel_size: int) -> HiddenStateProposer:
+    """The "mtp" / "eagle3" proposer over the driver rank's ``runner`` (its model, its ``hidden_capture``);
+    what the model cannot serve is a ValueError naming the field."""
+    method, model = spec.method, runner.model
+    if tensor_parallel_size != 1:
+        raise ValueError(f"speculative_config.method: {method!r} drafts on the driver rank alone; it needs "
+                         f"tensor_parallel_size 1 (got {tensor_parallel_size})")
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, a) for a in ("layers", "norm", "embed_tokens")):
+        raise ValueError(f"speculative_config.method: {method!r} reads the target's hidden states, which "
+                         f"{type(model).__name__} does not expose (a turnout decoder family is needed)")
+    num_layers = len(inner.layers)
+    if method == "mtp":
+        if getattr(model, "mtp", None) is None:
+            n = getattr(runner.hf_config, "num_nextn_predict_layers", None)
+            raise ValueError(f"speculative_config.method: 'mtp' drafts with the checkpoint's multi-token-prediction "
+                             f"layers; {type(model).__name__} has none here (num_nextn_predict_layers {n!r})")
+        head, points = MTPHead(model), (num_layers,)
+    else:
+        from turnout.models.eagle3 import load_eagle3_head
+
+        head = load_eagle3_head(spec.model, model, runner.ops, runner.device, runner.dtype)
+        points = head.aux_layers
+    runner.hidden_capture.install(points)
+    k, bs = spec.num_speculative_tokens, runner.block_size
+    # the target's blocks (one layer's worth of them) plus each sequence's drafts and a partial block
+    blocks = runner.num_blocks + runner.max_num_seqs * (-(-(k + 1) // bs) + 1)
+    logger.info("speculative %s: k=%d, the draft layer's cache %d blocks, hidden states from layer(s) %s", method,
+                k, blocks, ", ".join(map(str, points)))
+    return HiddenStateProposer(head, runner.hidden_capture, k, runner.max_model_len, blocks, bs, runner.kv_dtype,
+                               runner.device, max_batch=spec.disable_by_batch_size)

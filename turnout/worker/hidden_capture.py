@@ -61,8 +61,8 @@ class HiddenCapture:
     def _hook(self, point: int, at: int):
         def take(module, args):
             hidden, residual = args[at], args[at + 1] if len(args) > at + 1 else None
-            self._taken[point] = hidden if residual is None else hidden + residual  # a new tensor: the norm
-            # may update both in place
+            # a new tensor either way: the layers' norms update the stream's tensors in place
+            self._taken[point] = hidden.clone() if residual is None else hidden + residual
         return take
 
     def record(self, scheduled) -> None:
