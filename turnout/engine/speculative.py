@@ -1,5 +1,6 @@
 """Speculative decoding's engine half: the proposer a ``speculative_config`` asks for (turnout/speculative_config.py),
-and the draft-model proposer.
+and the draft-model proposer (the "mtp" and "eagle3" proposers, which read the target's hidden states:
+turnout/engine/hidden_drafts.py).
 
 Exactness does not rest on the proposer. The rank verifies a step's k drafts in the one sampler launch that
 draws all k + 1 positions, each with the request's seed and its own output step (worker/step.py), and keeps
