@@ -120,7 +120,7 @@ def _reference_drafts(tiny, tokens: list[int], start: int, k: int) -> list[int]:
 
     inputs = [pair(tokens[t + 1], h[t]) for t in range(start, n - 1)]
     out = []
-    for j in range(k):
+    for _ in range(k):
         logits, stream = _prenorm(block, inputs_embeds=torch.stack(inputs)[None],
                                   position_ids=torch.arange(start, start + len(inputs))[None])
         out.append(int(logits[-1].argmax()))
