@@ -139,7 +139,9 @@ class EngineConfig:
     speculative_config: str | dict | None = option(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
         "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b} or {\"model\": DRAFT, \"num_speculative_tokens\": k} "
-        "(a draft model with the target's tokenizer); greedy and seeded output are those without it",
+        "(a draft model with the target's tokenizer), {\"method\": \"mtp\", \"num_speculative_tokens\": k} (the "
+        "checkpoint's MTP layer) or {\"method\": \"eagle3\", \"model\": HEAD, \"num_speculative_tokens\": k} (an "
+        "EAGLE-3 head); greedy and seeded output are those without it",
         metavar="JSON")
 
     def __post_init__(self):

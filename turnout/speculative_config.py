@@ -1,9 +1,12 @@
 """Speculative decoding's settings, in vLLM's spelling: ``speculative_config`` is a dict (or its JSON text, as
 ``--speculative-config '{...}'`` gives it) with
 
-- ``method``: "ngram" (prompt lookup: no model) or "draft_model" (a smaller model with the target's tokenizer,
-  ``model``); given a ``model`` and no method, "draft_model". "eagle", "eagle3" and "mtp" are vLLM's names
-  of methods turnout does not build: refused by name, never silently served as something else;
+- ``method``: "ngram" (prompt lookup: no model), "draft_model" (a smaller model with the target's tokenizer,
+  ``model``), "mtp" (the target checkpoint's own multi-token-prediction layer: no ``model``) or "eagle3" (an
+  EAGLE-3 head's directory, ``model``): the last two draft from the target's hidden states
+  (turnout/engine/hidden_drafts.py). Given a ``model`` and no method, "draft_model". "eagle" (EAGLE-1/2),
+  "medusa", ... are vLLM's names of methods turnout does not build: refused by name, never silently served as
+  something else;
 - ``num_speculative_tokens``: k, the most drafts one sequence verifies in a step (1..16);
 - ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram): the n-gram lengths matched, longest first; one
   given stands for both, none given is 5 and 5 (vLLM's defaults);
@@ -23,8 +26,8 @@ import json
 from dataclasses import dataclass
 
 MAX_SPECULATIVE_TOKENS = 16
-METHODS = ("ngram", "draft_model")
-NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+METHODS = ("ngram", "draft_model", "mtp", "eagle3")
+NOT_BUILT = ("eagle", "medusa", "mlp_speculator", "suffix")
 FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
           "num_draft_layers", "disable_by_batch_size")
 
@@ -76,7 +79,7 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         elif model is not None or layers is not None:
             method = "draft_model"
         else:
-            raise _bad("method", "required (ngram or draft_model), or a draft \"model\" or \"num_draft_layers\"")
+            raise _bad("method", f"required ({', '.join(METHODS)}), or a draft \"model\" or \"num_draft_layers\"")
     if method in NOT_BUILT:
         raise _bad("method", f"{method!r} is not built in turnout (it serves {', '.join(METHODS)})")
     if method not in METHODS:
@@ -97,6 +100,17 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
         if lo > hi:
             raise _bad("prompt_lookup_min", f"({lo}) must not exceed prompt_lookup_max ({hi})")
+    elif method in ("mtp", "eagle3"):
+        if method == "mtp" and model is not None:
+            raise _bad("model", "the mtp method drafts with the target checkpoint's own layers: give no model")
+        if method == "eagle3" and model is None:
+            raise _bad("model", "the eagle3 method needs the EAGLE-3 head's directory (or Hub id)")
+        if layers is not None:
+            raise _bad("num_draft_layers", "only for the draft_model method")
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None:
+                raise _bad(name, "only for the ngram method")
+        lo = hi = 0
     else:
         if model is None and layers is None:
             raise _bad("model", "the draft_model method needs the draft's model id or path (or num_draft_layers: "

@@ -30,6 +30,10 @@ def test_ngram_and_draft_model_settings():
     assert (d.method, d.model, d.num_speculative_tokens) == ("draft_model", "/some/draft", 4)
     s = EngineConfig(speculative_config={"num_draft_layers": 2, "num_speculative_tokens": 3}).speculative
     assert (s.method, s.model, s.num_draft_layers) == ("draft_model", None, 2)  # the target's own first layers
+    m = EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3}).speculative
+    assert (m.method, m.model, m.num_speculative_tokens) == ("mtp", None, 3)  # the target's own MTP layer
+    e = EngineConfig(speculative_config={"method": "eagle3", "model": "/some/head", "num_speculative_tokens": 2})
+    assert (e.speculative.method, e.speculative.model) == ("eagle3", "/some/head")
     assert EngineConfig().speculative is None and EngineConfig().num_speculative_tokens == 0
     # the legacy option alone still sizes the graphs, with no proposer
     assert EngineConfig(num_speculative_tokens=2).speculative is None
@@ -46,8 +50,12 @@ def test_the_flag_takes_vllms_json():
 
 
 @pytest.mark.parametrize("value,field,why", [
-    ({"method": "eagle3", "num_speculative_tokens": 2}, "method", "not built in turnout"),
-    ({"method": "mtp", "num_speculative_tokens": 1}, "method", "not built in turnout"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method", "not built in turnout"),
+    ({"method": "medusa", "num_speculative_tokens": 1}, "method", "not built in turnout"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "model", "EAGLE-3 head's directory"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "model": "x"}, "model", "give no model"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "num_draft_layers": 1}, "num_draft_layers", "only for"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_max": 2}, "prompt_lookup_max", "only for"),
     ({"method": "lookahead", "num_speculative_tokens": 2}, "method", "unknown method"),
     ({"num_speculative_tokens": 2}, "method", "required"),
     ({"method": "ngram"}, "num_speculative_tokens", "required"),

@@ -106,7 +106,8 @@ class LLMEngine:
                                               stop_token_ids=sorted(self.eos_ids))
         is_async = self.platform.is_gpu if config.async_scheduling is None else config.async_scheduling
         self.core = EngineCore(scheduler, self.runner, self.eos_ids, self.max_model_len, is_async)
-        self.core.proposer = build_proposer(config, self.tokenizer, self.runner.vocab_size, draft)  # speculative decoding (or None)
+        self.core.proposer = build_proposer(config, self.tokenizer, self.runner.vocab_size, draft,
+                                             self.runner)  # speculative decoding (or None)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
         self.rl = RolloutControl(self)  # sleep / wake, weight updates, pause / resume (turnout/engine/rl.py)
         logger.info("engine ready in %.1fs: %s on %s (%s), dtype %s, max_model_len %d, %d KV blocks, "

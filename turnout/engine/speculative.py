@@ -1,5 +1,6 @@
 """Speculative decoding's engine half: the proposer a ``speculative_config`` asks for (turnout/speculative_config.py),
-and the draft-model proposer.
+and the draft-model proposer (the "mtp" and "eagle3" proposers, which read the target's hidden states:
+turnout/engine/hidden_drafts.py).
 
 Exactness does not rest on the proposer. The rank verifies a step's k drafts in the one sampler launch that
 draws all k + 1 positions, each with the request's seed and its own output step (worker/step.py), and keeps
@@ -136,14 +137,20 @@ def build_draft_engine(config, engine_cls):
     return engine_cls(draft_engine_config(config, spec))
 
 
-def build_proposer(config, target_tokenizer, target_vocab: int, draft_engine=None):
+def build_proposer(config, target_tokenizer, target_vocab: int, draft_engine=None, runner=None):
     """The DraftProposer ``config.speculative`` asks for (None: no speculation); ``draft_engine``: the draft
-    model's engine (build_draft_engine), checked against the target's tokenizer here."""
+    model's engine (build_draft_engine), checked against the target's tokenizer here; ``runner``: the driver
+    rank's ModelRunner, whose model and hidden states the "mtp" and "eagle3" heads read
+    (turnout/engine/hidden_drafts.py)."""
     spec = getattr(config, "speculative", None)
     if spec is None:
         return None
     k, cap = spec.num_speculative_tokens, spec.disable_by_batch_size
     if spec.method == "ngram":
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_batch=cap)
+    if spec.method in ("mtp", "eagle3"):
+        from turnout.engine.hidden_drafts import build_hidden_state_proposer
+
+        return build_hidden_state_proposer(spec, runner, config.tensor_parallel_size)
     check_draft_vocabulary(target_tokenizer, draft_engine.tokenizer, target_vocab, draft_engine.runner.vocab_size)
     return DraftModelProposer(draft_engine, k, max_batch=cap)

@@ -9,8 +9,9 @@ bias, ``n_group`` / ``topk_group``, renormalised), times ``routed_scaling_factor
 ``moe_layer_freq`` (DeepSeek), or ``mlp_layer_types`` (GLM-4 MoE Lite).
 
 The checkpoint's multi-token-prediction layers (``num_nextn_predict_layers`` layers past ``num_hidden_layers``)
-are loaded into ``self.mtp`` (turnout/models/mtp.py), for a speculative decoder to use; they are not part of the
-causal LM's forward, and the KV cache is the main layers' (``kv_specs``).
+are loaded into ``self.mtp`` (turnout/models/mtp.py), which the "mtp" speculative method drafts with
+(turnout/engine/hidden_drafts.py); they are not part of the causal LM's forward, and the KV cache is the main
+layers' (``kv_specs``).
 
 Refused by name: batch-invariant mode (no MLA implementation is declared invariant: the Triton kernel's split
 count follows the batch), a sparse-attention indexer (DeepSeek-V3.2's ``index_topk`` ...), a scoring function the family

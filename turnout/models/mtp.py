@@ -2,13 +2,14 @@
 kept, for a speculative decoder to draft with, rather than dropped.
 
 Layer i (checkpoint ``model.layers.{num_hidden_layers + i}``) predicts the token after next from the main
-model's last hidden state h at position p and the embedding of the token at p + 1:
+model's last hidden state h at position p (the residual stream after its last layer, before the final norm: the
+norms here are the layer's own, ``hnorm``) and the embedding of the token at p + 1:
 ``x = eh_proj([enorm(embed(token)), hnorm(h)])``, one decoder layer of the family (``block``: its attention and
 MoE), then ``shared_head.norm`` and ``shared_head.head`` give logits. Its own ``embed_tokens`` and head are
 stored in the checkpoint and loaded here.
 
-Not in the causal LM's step: the engine does not allocate its attention cache yet (the family's ``kv_specs``
-lists only the main layers); ``forward`` takes a cache of its own (``(latent_cache,)``) from its caller.
+Not in the causal LM's step: the family's ``kv_specs`` lists only the main layers. The "mtp" speculative method
+(turnout/engine/hidden_drafts.py) keeps the layer's attention cache (``(latent_cache,)`` for MLA) and passes it.
 """
 
 from __future__ import annotations
@@ -60,15 +61,15 @@ class MTPLayer(nn.Module):
         self.shared_head.head = LMHead(config.vocab_size, h, tp=family.tp, ops=ops, plan=plan)
 
     def forward(self, input_ids, positions, previous_hidden, kv_cache, meta) -> torch.Tensor:
-        """input_ids [T] (the tokens at p + 1), previous_hidden [T, H] (the main model's final-normed hidden at p)
-        -> this layer's hidden [T, H]; logits: ``compute_logits``."""
+        """input_ids [T] (the tokens at p + 1), previous_hidden [T, H] (the main model's stream at p, before its
+        final norm; or this layer's own output, chaining drafts) -> this layer's stream [T, H], before
+        ``shared_head.norm``; logits: ``compute_logits``."""
         x = torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(previous_hidden)], dim=-1)
         hidden, residual = self.block(positions, self.eh_proj(x), None, kv_cache, meta)
-        hidden, _ = self.shared_head.norm(hidden, residual)
-        return hidden
+        return hidden + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(hidden)
+    def compute_logits(self, stream: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(stream))
 
 
 class MultiTokenPredictor(nn.Module):

@@ -223,6 +223,9 @@ def maybe_capture(runner) -> DecodeGraphs | None:
     if not platform.supports_graphs() or runner.device.type != "cuda":
         logger.info("CUDA graphs: not supported on %s; running eagerly", platform.name)
         return None
+    if getattr(runner, "hidden_capture", None) is not None:  # its hooks read each forward's hidden states
+        logger.info("CUDA graphs: off (the speculative drafter reads the target's hidden states); running eagerly")
+        return None
     if getattr(runner.model, "no_cuda_graphs", None):  # the model says why it cannot be captured
         logger.info("CUDA graphs: off (%s); running eagerly", runner.model.no_cuda_graphs)
         return None

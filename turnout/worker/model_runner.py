@@ -11,6 +11,7 @@ from turnout.layers.attention import AttentionMetadata
 from turnout.worker.concurrency import default_max_num_seqs
 from turnout.worker.cuda_graphs import maybe_capture
 from turnout.worker.group_inputs import group_tables, kv_bytes_line
+from turnout.worker.hidden_capture import HiddenCapture
 from turnout.worker.kv_sizing import (
     allocate_caches,
     kv_dtype,
@@ -28,6 +29,8 @@ from turnout.worker.step_sampling import StepHandle
 from turnout.worker.token_drawer import TokenDrawer
 
 logger = logging.getLogger(__name__)
+
+HIDDEN_STATE_METHODS = ("mtp", "eagle3")  # speculative methods that draft from the target's hidden states
 
 
 class ModelRunner:
@@ -84,6 +87,10 @@ class ModelRunner:
         # KV tiers: host caches, swap strategy, start-up measurements for preemption_mode auto (kv_transfer.py)
         self.kv_transfer = KVTransfer(self, config)
         self._swap_gate = None  # this step's swap-ins, passed layer by layer by the next forward
+        # the target's hidden states for the drafters that read them (speculative "mtp" / "eagle3"): eager steps
+        spec = getattr(config, "speculative", None)
+        self.hidden_capture = HiddenCapture(self.model) if spec is not None and spec.method in HIDDEN_STATE_METHODS \
+            else None
         self.graphs = maybe_capture(self)  # None: every step runs eagerly
         # Sleep / wake and in-place weight updates of this rank (the RL control plane; collective_rpc reaches it)
         self.memory = RankMemory(self)
@@ -198,6 +205,8 @@ class ModelRunner:
             if self.step_publisher is not None:  # every rank holds its shard of the blocks
                 self.step_publisher.swap_in(list(step.swap_in))
             self._swap_gate = self.kv_transfer.swap_in(list(step.swap_in))
+        if self.hidden_capture is not None:
+            self.hidden_capture.forget(step.finished_req_ids)
         faults = self.drawer.update(step)  # after the copies: a step sent again does not repeat them
         if faults:
             raise RequestFaults(faults)
@@ -233,6 +242,8 @@ class ModelRunner:
             finally:
                 if gate is not None:  # copies issued lazily layer by layer: all of them, also if the forward raised
                     gate.finish()
+            if self.hidden_capture is not None:
+                self.hidden_capture.record(scheduled)
             if not want_logits:
                 return None
             if len(logit_idx) != hidden.shape[0]:  # logit_idx is increasing: equal lengths = every row

@@ -1,0 +1,180 @@
+"""EAGLE-3 draft heads (Li et al., 2025) for Llama-family targets, read from the published checkpoint layout
+(yuhuili/EAGLE3-LLaMA3.1-Instruct-8B and the heads trained alike): a directory with a Llama-style config.json
+(``architectures`` such as ``LlamaForCausalLMEagle3``, ``draft_vocab_size``, optionally ``target_hidden_size``,
+``norm_before_residual``, ``eagle_aux_hidden_state_layer_ids``) and the tensors
+
+- ``fc.weight`` [H, 3 Ht]: fuses the target's streams entering three of its layers (low, middle, high: by
+  default 2, L // 2 and L - 3, vLLM's choice for EAGLE-3), concatenated, into one hidden state;
+- ``midlayer.*``: one Llama decoder layer whose q/k/v projections read [input_layernorm(embedding),
+  hidden_norm(hidden)] (2 H wide), with the un-normed hidden as its residual (``norm_before_residual``: the normed
+  one), then ``post_attention_layernorm`` and the MLP;
+- ``norm.weight``, ``lm_head.weight`` [draft_vocab_size, H]: logits over the draft vocabulary;
+- ``d2t`` [draft_vocab_size] int: target id = draft id + d2t[draft id]; ``t2d`` [vocab] bool (which target ids
+  the draft vocabulary has; checked, not used to draft);
+- ``embed_tokens.weight`` where the head has its own; most share the target's embedding (no tensor).
+
+Chained drafts feed the midlayer its own output stream (before ``norm``) as the hidden state, without ``fc``.
+The head runs on the target's device and dtype, one rank; its attention cache is the proposer's
+(turnout/engine/hidden_drafts.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from turnout.layers.embedding import VocabEmbedding
+from turnout.layers.linear import QKVParallelLinear, ReplicatedLinear
+from turnout.layers.norm import RMSNorm
+from turnout.layers.rotary import get_rope
+from turnout.models.decoder import DecoderAttention, DenseMLP, head_dim_of
+from turnout.models.weight_map import load_weights
+
+
+def _bad(why: str) -> ValueError:
+    return ValueError(f"speculative_config.model: {why}")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class Eagle3Layer(nn.Module):
+    """The head's one decoder layer (checkpoint ``midlayer.``)."""
+
+    def __init__(self, config, ops):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        rotary = get_rope(config, head_dim_of(config), config.max_position_embeddings, ops, is_neox=True)
+        self.self_attn = DecoderAttention(config, ops, rotary, qkv_bias=False, o_bias=False, qk_norm=False)
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.self_attn.qkv_proj = QKVParallelLinear(2 * h, head_dim_of(config), config.num_attention_heads,
+                                                    kv_heads, ops=ops)  # reads [embedding, hidden]
+        self.mlp = DenseMLP(config, ops)
+        self.input_layernorm, self.hidden_norm = RMSNorm(h, eps, ops), RMSNorm(h, eps, ops)
+        self.post_attention_layernorm = RMSNorm(h, eps, ops)
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
+
+    def forward(self, positions, embeds, hidden, kv_cache, meta) -> torch.Tensor:
+        normed = self.hidden_norm(hidden)
+        residual = (normed if self.norm_before_residual else hidden).clone()  # the norms below work in place
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        out, residual = self.post_attention_layernorm(self.self_attn(positions, x, kv_cache, meta), residual)
+        return self.mlp(out) + residual
+
+
+class Eagle3Head(nn.Module):
+    """A DraftHead (engine/hidden_drafts.py) over an EAGLE-3 checkpoint; ``aux_layers``: the target layers whose
+    input streams ``fc`` fuses, in order."""
+
+    packed_modules_mapping = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+                              "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
+    weight_name_rules: list = []
+    ignored_weights: tuple[str, ...] = ()
+
+    def __init__(self, config, ops, target_embedding: VocabEmbedding | None, aux_layers: tuple[int, ...]):
+        super().__init__()
+        h = config.hidden_size
+        ht = getattr(config, "target_hidden_size", None) or h
+        self.aux_layers = tuple(aux_layers)
+        self.fc = ReplicatedLinear(len(aux_layers) * ht, h, bias=False, ops=ops)
+        self.midlayer = Eagle3Layer(config, ops)
+        self.norm = RMSNorm(h, config.rms_norm_eps, ops)
+        self.lm_head = ReplicatedLinear(h, config.draft_vocab_size, bias=False, ops=ops)
+        self.own_embedding = target_embedding is None
+        if self.own_embedding:
+            self.embed_tokens = VocabEmbedding(config.vocab_size, h, ops=ops)
+        else:  # the target's (not a parameter of this module: not loaded, not counted twice)
+            self.__dict__["embed_tokens"] = target_embedding
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long), persistent=False)
+
+    def kv_spec(self, cache_dtype: str):
+        return self.midlayer.self_attn.attn.kv_spec(cache_dtype)
+
+    def first_hidden(self, captured: torch.Tensor) -> torch.Tensor:
+        return self.fc(captured)
+
+    def forward(self, input_ids, positions, hidden, kv_cache, meta) -> torch.Tensor:
+        return self.midlayer(positions, self.embed_tokens(input_ids), hidden, kv_cache, meta)
+
+    def draft(self, stream: torch.Tensor) -> torch.Tensor:
+        d = self.lm_head(self.norm(stream)).argmax(-1)
+        return d + self.d2t[d]
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from turnout.loader.safetensors import iter_safetensors, safetensors_files
+
+    if any(path.glob("*.safetensors")):
+        return dict(iter_safetensors(safetensors_files(path)))
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise _bad(f"{path} has no *.safetensors nor pytorch_model.bin")
+    out = {}
+    for b in bins:
+        out.update(torch.load(b, map_location="cpu", weights_only=True))
+    return out
+
+
+def load_eagle3_head(model: str, target, ops, device, dtype) -> Eagle3Head:
+    """The EAGLE-3 head at ``model`` (a directory or Hub id) for ``target`` (the loaded DecoderForCausalLM),
+    checked against it: every mismatch is a ValueError naming ``speculative_config.model``."""
+    import transformers
+
+    from turnout.loader.source import resolve_source
+
+    try:
+        path = resolve_source(model).path
+    except ValueError as e:
+        raise _bad(str(e)) from None
+    if not path.is_dir():
+        raise _bad(f"{model!r}: an EAGLE-3 head is a checkpoint directory, not a file")
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("model_type", None)
+    config = transformers.LlamaConfig(**raw)
+    tc = target.config
+    for name in ("draft_vocab_size", "hidden_size", "num_attention_heads", "intermediate_size"):
+        if not isinstance(getattr(config, name, None), int):
+            raise _bad(f"config.json lacks {name}: not an EAGLE-3 head")
+    ht = getattr(config, "target_hidden_size", None) or config.hidden_size
+    if ht != tc.hidden_size:
+        raise _bad(f"the EAGLE-3 head's hidden_size ({ht}) differs from the target's ({tc.hidden_size})")
+    if config.vocab_size != tc.vocab_size:
+        raise _bad(f"the EAGLE-3 head's vocab_size ({config.vocab_size}) differs from the target's "
+                   f"({tc.vocab_size})")
+    n = tc.num_hidden_layers
+    aux = tuple(getattr(config, "eagle_aux_hidden_state_layer_ids", None) or default_aux_layers(n))
+    if len(aux) != 3 or not all(isinstance(i, int) and 0 <= i < n for i in aux):
+        raise _bad(f"eagle_aux_hidden_state_layer_ids {list(aux)}: three layers of the target's 0..{n - 1}")
+    tensors = _read_tensors(path)
+    for name in ("d2t", "fc.weight", "lm_head.weight"):
+        if name not in tensors:
+            raise _bad(f"the EAGLE-3 checkpoint has no {name!r} tensor")
+    d2t, t2d = tensors.pop("d2t").long(), tensors.pop("t2d", None)
+    dv = config.draft_vocab_size
+    target_ids = torch.arange(d2t.shape[0]) + d2t
+    if d2t.shape != (dv,) or target_ids.min() < 0 or target_ids.max() >= tc.vocab_size:
+        raise _bad(f"d2t (shape {tuple(d2t.shape)}) does not map draft_vocab_size {dv} draft ids into the target's "
+                   f"{tc.vocab_size} token ids")
+    if t2d is not None and (t2d.shape != (tc.vocab_size,) or int(t2d.sum()) != dv
+                            or not bool(t2d.bool()[target_ids].all())):
+        raise _bad(f"t2d (shape {tuple(t2d.shape)}) does not mark exactly the {dv} target ids d2t maps to")
+    own = "embed_tokens.weight" in tensors
+    if not own and config.hidden_size != tc.hidden_size:
+        raise _bad("the EAGLE-3 head has no embed_tokens and its hidden_size differs from the target's")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            head = Eagle3Head(config, ops, None if own else target.model.embed_tokens, aux)
+    finally:
+        torch.set_default_dtype(prev)
+    try:
+        load_weights(head, tensors.items())
+    except ValueError as e:
+        raise _bad(f"the EAGLE-3 checkpoint does not fit its config: {e}") from None
+    head.d2t.copy_(d2t)
+    return head.eval()
