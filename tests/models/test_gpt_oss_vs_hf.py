@@ -56,10 +56,21 @@ def cpu_ops():
     return resolve(detect_platform("cpu"))
 
 
+def _clamp_as_configured(hf) -> None:
+    """transformers <= 5.17 has no swiglu_limit / swiglu_alpha in GptOssConfig and its experts clamp at the released
+    7.0 with alpha 1.702 whatever config.json says; turnout reads config.json. Hold the peer to the config (the
+    released checkpoints say 7.0 and 1.702, so both agree on them)."""
+    want = {"limit": getattr(hf.config, "swiglu_limit", 7.0), "alpha": getattr(hf.config, "swiglu_alpha", 1.702)}
+    for layer in hf.model.layers:
+        for attr, value in want.items():
+            setattr(layer.mlp.experts, attr, value)
+
+
 def make(tmp_path, seed: int = 0, **over):
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(tiny_config(**over), dtype=torch.float32,
                                                        attn_implementation="eager").eval()
+    _clamp_as_configured(hf)
     _randomise(hf, seed)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     return hf
@@ -185,6 +196,7 @@ def test_mxfp4_checkpoint_loads_and_equals_hf_on_the_dequantised_weights(tmp_pat
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "q"), dtype=torch.float32, attn_implementation="eager",
         quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    _clamp_as_configured(hf)
     with torch.no_grad():
         for layer_idx, (layer, layer_bf) in enumerate(zip(hf.model.layers, hf_bf.model.layers)):
             for proj in ("gate_up_proj", "down_proj"):

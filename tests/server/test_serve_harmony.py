@@ -10,11 +10,12 @@ model side (GptOssForCausalLM against transformers) is tests/models/test_gpt_oss
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from serve_fakes import FakeEngine, FakeTokenizer
-from turnout.entrypoints.openai.harmony import MARKERS
+openai = pytest.importorskip("openai", reason="the openai client is not installed (the GPU image has none)")
+
+from serve_fakes import FakeEngine, FakeTokenizer  # noqa: E402
+from turnout.entrypoints.openai.harmony import MARKERS  # noqa: E402
 
 PIECES = [*MARKERS, "assistant", "analysis", "commentary", "final", " to=functions.get_weather", "json", " ",
           "The user wants", " the weather.", '{"city":', ' "Paris"}', "It is", " sunny."]

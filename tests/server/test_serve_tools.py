@@ -12,12 +12,14 @@ import json
 import httpx
 import pytest
 
-from conftest import ServerProcess
-from turnout.entrypoints.openai.chat_tools import ChoiceParser, plan_tools, reasoning_parser
-from turnout.entrypoints.openai.errors import APIError
-from turnout.entrypoints.openai.protocol import ChatCompletionRequest
-from turnout.entrypoints.openai.serve_options import ServeOptions
-from turnout.entrypoints.openai.tool_parsers import assemble
+pytest.importorskip("pydantic", reason="the server's dependencies are not installed (the GPU image has none)")
+
+from conftest import ServerProcess  # noqa: E402
+from turnout.entrypoints.openai.chat_tools import ChoiceParser, plan_tools, reasoning_parser  # noqa: E402
+from turnout.entrypoints.openai.errors import APIError  # noqa: E402
+from turnout.entrypoints.openai.protocol import ChatCompletionRequest  # noqa: E402
+from turnout.entrypoints.openai.serve_options import ServeOptions  # noqa: E402
+from turnout.entrypoints.openai.tool_parsers import assemble  # noqa: E402
 
 openai = pytest.importorskip("openai")
 

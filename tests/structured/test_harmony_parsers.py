@@ -10,12 +10,14 @@ import random
 
 import pytest
 
-from turnout.entrypoints.openai.chat_tools import ChoiceParser, ToolPlan, keeps_special_tokens, plan_tools
-from turnout.entrypoints.openai.harmony import split_messages
-from turnout.entrypoints.openai.protocol import ChatCompletionRequest
-from turnout.entrypoints.openai.reasoning import assemble_reasoning, get_reasoning_parser
-from turnout.entrypoints.openai.serve_options import ServeOptions
-from turnout.entrypoints.openai.tool_parsers import assemble, get_tool_parser
+pytest.importorskip("pydantic", reason="the server's dependencies are not installed (the GPU image has none)")
+
+from turnout.entrypoints.openai.chat_tools import ChoiceParser, ToolPlan, keeps_special_tokens, plan_tools  # noqa: E402
+from turnout.entrypoints.openai.harmony import split_messages  # noqa: E402
+from turnout.entrypoints.openai.protocol import ChatCompletionRequest  # noqa: E402
+from turnout.entrypoints.openai.reasoning import assemble_reasoning, get_reasoning_parser  # noqa: E402
+from turnout.entrypoints.openai.serve_options import ServeOptions  # noqa: E402
+from turnout.entrypoints.openai.tool_parsers import assemble, get_tool_parser  # noqa: E402
 
 ANALYSIS = "<|channel|>analysis<|message|>User asks: \"What is 2+2?\" Simple: 4.<|end|>"
 FINAL = "<|start|>assistant<|channel|>final<|message|>2 + 2 = **4**."

@@ -49,13 +49,23 @@ class LatentDims:
         return DECOMPRESS_WORKSPACE_BYTES // (per_key * self.elem_bytes)
 
 
+# What a FLOP of the absorbed path costs against one of the decompressed path. Measured on an H100 (2026-12-07,
+# benchmarks/mla_prefill.py at DeepSeek-V3's attention shape, bf16): the absorbed prefill ran at 47-68 TFLOP/s
+# of this model's count, the decompressed one at 200-344 (its GEMMs and varlen attention use the tensor cores
+# better): 4.2-6.2x. The lower end is taken, so a decode step (n = 1) stays absorbed by far and the crossover
+# sits near 35 new tokens over a 10k context (the FLOP count alone put it near 170; decompressed was already
+# 1.9x faster at 64 x 16k and 3.7x at 128 x 8k).
+ABSORBED_FLOP_COST = 4.0
+
+
 def decompress_pays(n: int, ctx: int, d: LatentDims) -> bool:
-    """Whether n new tokens over a context of ctx (the n included) cost fewer FLOPs decompressed."""
+    """Whether n new tokens over a context of ctx (the n included) cost less time decompressed: FLOPs counted,
+    the absorbed ones weighed by ABSORBED_FLOP_COST."""
     pairs = n * (ctx - n) + n * (n + 1) // 2
     up = 2 * d.kv_lora_rank * (d.nope_dim + d.v_dim)  # one token through W_UK and W_UV
     absorbed = pairs * (4 * d.kv_lora_rank + 2 * d.rope_dim) + n * up
     decompressed = pairs * 2 * (d.nope_dim + d.rope_dim + d.v_dim) + ctx * up
-    return decompressed < absorbed
+    return decompressed < ABSORBED_FLOP_COST * absorbed
 
 
 @dataclass(frozen=True)

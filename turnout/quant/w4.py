@@ -228,7 +228,9 @@ class W4LinearMethod:
 
 
 def _dummy_q(param, generator, std):
-    param.data.copy_(torch.randint(0, 256, param.shape, generator=generator, dtype=torch.int32).to(torch.uint8))
+    # drawn where the generator lives (the loader's generator is on the parameter's device)
+    param.data.copy_(torch.randint(0, 256, param.shape, generator=generator, dtype=torch.int32,
+                                   device=generator.device).to(torch.uint8))
 
 
 def _dummy_scales(param, generator, std):

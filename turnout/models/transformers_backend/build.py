@@ -97,8 +97,10 @@ def _norm_kind(module: nn.Module) -> bool | None:
     gen = torch.Generator().manual_seed(0)
     h = weight.shape[0]
     with torch.no_grad():
-        probe.weight.copy_(torch.randn(h, generator=gen))
-        x = torch.randn(2, 3, h, generator=gen)
+        # device="cpu" explicitly: the model is built under a device context (torch.device("cuda")), which would
+        # put a bare randn on the GPU with this CPU generator
+        probe.weight.copy_(torch.randn(h, generator=gen, device="cpu"))
+        x = torch.randn(2, 3, h, generator=gen, device="cpu")
         try:
             got = probe(x)
         except Exception:  # noqa: BLE001 - a norm that wants more than a tensor is not one of ours

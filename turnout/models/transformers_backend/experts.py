@@ -57,7 +57,8 @@ def is_experts_module(module: nn.Module) -> bool:
 
 def _gate_is_silu_and_mul(module: nn.Module, inter: int) -> bool:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 2 * inter, generator=gen) * 3.0  # [S, 2I] past any clamp a variant might apply
+    # [S, 2I] past any clamp a variant might apply; on the CPU whatever device context the model is built under
+    x = torch.randn(3, 2 * inter, generator=gen, device="cpu") * 3.0
     try:
         with torch.no_grad():
             got = module._apply_gate(x)
