@@ -12,7 +12,8 @@
 #   tests:
 #   pytest_gpu     python -m pytest -m gpu tests/ (engine group)  -> pytest_gpu.xml      cap PYTEST_CAP (300 s)
 #   and at the same time, one after another:
-#   pytest_gpu_kernels  the op-level GPU tests (KERNEL_TESTS)   -> pytest_gpu_kernels.xml  cap PYTEST_CAP
+#   pytest_gpu_kernels  the op-level GPU tests of tests/ops       -> pytest_gpu_kernels.xml  cap PYTEST_CAP
+#   pytest_gpu_kernels2 (at the same time) the MoE / quant / bitmask ones -> pytest_gpu_kernels2.xml
 #   ops_check      turnout ops --check --json (conformance)  -> ops_check.json           cap 150 s
 #   then, alone:
 #   kernels        python benchmarks/op_kernels.py              -> kernels.log (JSON lines)  cap 50 s
@@ -83,18 +84,20 @@ except Exception: info["pytest_timeout"] = False
 print(json.dumps(info))
 EOF
 
-# The GPU tests in two groups that run at once on the one GPU (a cold Triton cache makes the suite compile-bound,
-# and compiling is CPU work): the kernel group (op-level tests that build no engine, so they size no KV cache
-# from the free memory) and, beside it, the engine group (everything else). The kernel group's chain then runs
+# The GPU tests in three groups that run at once on the one GPU (a cold Triton cache makes the suite compile-bound,
+# and compiling is CPU work; cold on an H100, tests/ops and the MoE / quant tests in one process were not done
+# in 540 s): two kernel groups (op-level tests that build no engine, so they size no KV cache from the free
+# memory) and, beside them, the engine group (everything else). The kernel group's chain then runs
 # the conformance suite, which also builds no engine; the kernel timings run last, alone on the GPU.
 # GPU_TESTS_SERIAL=1: one process.
-KERNEL_TESTS=(tests/ops tests/moe/test_moe_decode.py tests/moe/test_moe_backends.py tests/quant/test_fp8_gpu.py
+KERNEL_TESTS=(tests/ops)  # op-level group 1 (its chain then runs the conformance suite)
+KERNEL_TESTS_2=(tests/moe/test_moe_decode.py tests/moe/test_moe_backends.py tests/quant/test_fp8_gpu.py
   tests/quant/test_w4_gpu.py tests/quant/test_w4_moe_gpu.py tests/quant/test_fp8_moe_gpu.py
-  tests/structured/test_bitmask_stage.py)
+  tests/structured/test_bitmask_stage.py)  # op-level group 2
 
 tests_part() {
   # Server tests need fastapi; their collection errors must not stop the rest.
-  PT_ARGS=(-q -m gpu --maxfail=10 --continue-on-collection-errors -p no:cacheprovider)
+  PT_ARGS=(-q -m gpu --maxfail=30 --continue-on-collection-errors -p no:cacheprovider --durations=25)
   if "$PY" -c "import pytest_timeout" 2>/dev/null; then PT_ARGS+=(--timeout 150); fi
   local cap=${PYTEST_CAP:-300}
   if [[ "${GPU_TESTS_SERIAL:-0}" == 1 ]]; then
@@ -104,15 +107,18 @@ tests_part() {
     return
   fi
   local ignore=() f
-  for f in "${KERNEL_TESTS[@]}"; do ignore+=("--ignore=$f"); done
+  for f in "${KERNEL_TESTS[@]}" "${KERNEL_TESTS_2[@]}"; do ignore+=("--ignore=$f"); done
   (
     step pytest_gpu_kernels "$cap" "$PY" -m pytest "${PT_ARGS[@]}" "${KERNEL_TESTS[@]}" \
       --junitxml="$OUT/pytest_gpu_kernels.xml"
     kernel_chain
   ) &
   local chain=$!
+  step pytest_gpu_kernels2 "$cap" "$PY" -m pytest "${PT_ARGS[@]}" "${KERNEL_TESTS_2[@]}" \
+    --junitxml="$OUT/pytest_gpu_kernels2.xml" &
+  local chain2=$!
   step pytest_gpu "$cap" "$PY" -m pytest "${PT_ARGS[@]}" tests/ "${ignore[@]}" --junitxml="$OUT/pytest_gpu.xml"
-  wait "$chain"
+  wait "$chain" "$chain2"
   kernel_timings
 }
 

@@ -71,7 +71,7 @@ def _junit(path: str, problems: dict):
     return tot
 
 
-JUNIT_FILES = ("pytest_gpu.xml", "pytest_gpu_kernels.xml")  # the engine group, the kernel group (run at once)
+JUNIT_FILES = ("pytest_gpu.xml", "pytest_gpu_kernels.xml", "pytest_gpu_kernels2.xml")  # the groups run at once
 
 
 def _merge_junit(parts: list) -> dict | None:
