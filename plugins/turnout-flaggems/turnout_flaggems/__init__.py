@@ -26,7 +26,7 @@ OPS = {
     "reshape_and_cache": ("attention", ("reshape_and_cache_flash",), True, platforms.serves),
     "paged_attention": ("attention", ("flash_attn_varlen_func",), True, platforms.serves),
     "select_experts": ("moe", ("topk_softmax", "grouped_topk"), True, platforms.serves),
-    "moe_experts": ("moe", ("fused_experts_impl",), False, platforms.serves),
+    "moe_experts": ("moe", ("fused_experts_impl",), True, platforms.serves),
     "moe_experts_fp8": ("moe", ("fused_experts_impl",), True, platforms.fp8),
     "quantize_fp8": ("fp8", ("per_token_group_quant_fp8",), True, platforms.fp8),
     "scaled_mm": ("fp8", ("cutlass_scaled_mm",), True, platforms.sm90),
