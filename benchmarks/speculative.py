@@ -185,8 +185,10 @@ def part_verify(args) -> list[dict]:
     from turnout import LLM
 
     ks = list(range(0, args.max_k + 1))
+    # multi-token graphs are captured for batches whose b (k + 1) tokens fit the largest bucket (max_num_seqs,
+    # worker/graph_buckets.py): room for every measured (batch, k), so the verify step is timed as graphed
     llm = LLM(args.verify_model, load_format="dummy", num_speculative_tokens=args.max_k, enable_prefix_caching=False,
-              max_num_seqs=max(args.batches), seed=0)
+              max_num_seqs=min(512, max(args.batches) * (args.max_k + 1)), seed=0)
     eng = llm.engine
     rows = []
     for b in args.batches:
