@@ -139,9 +139,12 @@ def _run(llm, prompts, sp):
     return [o.outputs[0].token_ids for o in outs], after.draft_tokens_total - before.draft_tokens_total
 
 
-def test_greedy_identical_and_drafts_equal_the_reference(tiny):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_identical_and_drafts_equal_the_reference(tiny, async_scheduling):
+    """Also with async scheduling (the GPU default: lookahead steps between drafting steps)."""
     path, head, _, _ = tiny
-    llm = LLM(path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3}, **KW)
+    llm = LLM(path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
+              **{**KW, "async_scheduling": async_scheduling})
     prop, log = llm.engine.core.proposer, []
     assert prop.head.aux_layers == AUX and llm.engine.runner.hidden_capture.points == AUX
     inner = prop.propose

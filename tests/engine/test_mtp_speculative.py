@@ -177,9 +177,12 @@ def test_greedy_identical_and_drafts_equal_the_reference(tiny, k):
     llm.shutdown()
 
 
-def test_chunked_prefill_and_batching(tiny):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_and_batching(tiny, async_scheduling):
+    """Chunks of 8 tokens, three prompts at once; with async scheduling too (the GPU default: a step without
+    drafts may be followed by a lookahead step, whose hidden states the drafter must still get in order)."""
     llm = LLM(tiny[0], speculative_config={"method": "mtp", "num_speculative_tokens": 2}, max_num_batched_tokens=8,
-              **KW)
+              **{**KW, "async_scheduling": async_scheduling})
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     got, drafted, _ = _run(llm, PROMPTS, sp)
     want, _, _ = _run(llm, PROMPTS, _off(sp))
