@@ -286,3 +286,23 @@ def test_decode_step_ab_checks_settings_and_needs_a_gpu():
         run = subprocess.run([sys.executable, str(script), "--settings", '[{}, {"TURNOUT_PDL": "0"}]'],
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
+
+
+def test_bench_measures_with_the_startup_heap_frozen_and_gives_the_collector_back(tmp_path, monkeypatch):
+    """`turnout bench` freezes the start-up heap for the measured steps (turnout/utils/gc_freeze.py: full
+    collections scan none of it) and unfreezes after, so a caller in the same process (this test) keeps its
+    collector."""
+    import gc
+
+    seen = []
+    measure = bench_cmd.bench_latency
+
+    def spy(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return measure(*args, **kwargs)
+    monkeypatch.setattr(bench_cmd, "bench_latency", spy)
+    assert gc.get_freeze_count() == 0
+    rc = cli_main(["--log-level", "WARNING", "bench", "latency", "--model", str(_write(tmp_path, TINY)), *COMMON,
+                   "--batch-size", "2", "--num-iters", "1"])
+    assert rc == 0 and len(seen) == 1 and seen[0] > 1000  # the model, torch, transformers: far more than that
+    assert gc.get_freeze_count() == 0

@@ -20,6 +20,7 @@ import logging
 from turnout import envs
 from turnout.entrypoints.engine_args import add_engine_args, add_vllm_noop_args, engine_kwargs, note_vllm_noop_args
 from turnout.entrypoints.openai.serve_lifecycle import bind_socket
+from turnout.utils.gc_freeze import freeze_startup_heap
 from turnout.worker.concurrency import MAX_DEFAULT_SEQS
 
 logger = logging.getLogger("turnout.serve")
@@ -197,6 +198,7 @@ def run(args) -> int:
     exit_code = 0
 
     def on_ready(state):
+        freeze_startup_heap()  # this process keeps its engine until it exits (turnout/utils/gc_freeze.py)
         logger.info("turnout %s ready on http://%s:%d | model %r | max_model_len=%d max_num_seqs=%d "
                     "max_queue=%d api_key=%s drain_timeout=%.0fs", _version(), args.host, port,
                     ", ".join(state.served_model_names), state.max_model_len, state.max_num_seqs, args.max_queue,

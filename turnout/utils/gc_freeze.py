@@ -1,0 +1,28 @@
+"""Keep the start-up heap out of Python's cyclic garbage collector, in the processes turnout owns.
+
+After start-up a server or benchmark process holds hundreds of thousands of long-lived objects (the model's
+modules and parameters, the tokenizer, the op table, imported modules). The collector's oldest generation
+scans them all on each full collection: with a 256-sequence batch on a CPU, one such collection every few
+dozen steps cost 4.6 ms a step on average, as a pause of a couple of hundred milliseconds in one step
+(docs/benchmarks.md, seventeenth session). ``gc.freeze()`` moves every object alive now to a permanent
+generation the collector does not scan (vLLM does the same once its engine is up). Frozen objects are still
+freed by reference counting; only cycles among them wait for ``gc.unfreeze()``. So this is for processes that
+keep their engine until they exit (``turnout serve``, ``turnout bench``), not for the ``LLM`` class, whose users
+may drop an engine and build another in the same process.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_startup_heap() -> int:
+    """One full collection, then every object alive is frozen; returns how many are (``gc.get_freeze_count``)."""
+    gc.collect()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    logger.debug("gc: %d start-up objects frozen (not scanned by the cyclic collector)", n)
+    return n
