@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 from typing import Sequence as Seq
 
@@ -13,6 +12,7 @@ from turnout.engine.llm_engine import LLMEngine
 from turnout.engine.outputs import RequestOutput
 from turnout.engine.rl import TokenOutput
 from turnout.engine.sampling_params import SamplingParams
+from turnout.utils.gc_freeze import collect_all
 
 
 class LLM:
@@ -36,7 +36,7 @@ class LLM:
         self.engine = self._gate = _ShutDown()
         engine.shutdown()
         del engine
-        gc.collect()  # the engine's parts refer to each other: free the weights and the cache now
+        collect_all()  # the engine's parts refer to each other: free the weights and the cache now
         import torch
 
         if torch.cuda.is_available():

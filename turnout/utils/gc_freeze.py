@@ -26,3 +26,16 @@ def freeze_startup_heap() -> int:
     n = gc.get_freeze_count()
     logger.debug("gc: %d start-up objects frozen (not scanned by the cyclic collector)", n)
     return n
+
+
+def collect_all() -> None:
+    """A full collection that also reaches frozen objects: what releasing device memory needs (an engine's
+    sleep drops its KV cache and graphs, whose cycles may have been alive, so frozen, at start-up). Where
+    the heap was frozen, it is frozen again after (what is alive then: the serving process's new start-up
+    heap); where it was not (an ``LLM`` in a user's process), the collector is left as it was."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    gc.collect()
+    if frozen:
+        gc.freeze()

@@ -24,7 +24,6 @@ What sleeping releases, and what stays:
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 import weakref
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from turnout.utils.gc_freeze import collect_all
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class _Saved:
 
 
 def _release_device(device: torch.device) -> None:
-    gc.collect()  # tensors in reference cycles (an exception's traceback) hold their storage until collected
+    collect_all()  # tensors in reference cycles (an exception's traceback) hold their storage until collected
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
