@@ -224,7 +224,7 @@ def build_hidden_state_proposer(spec, runner, tensor_parallel_size: int) -> Hidd
                              f"layers; {type(model).__name__} has none here (num_nextn_predict_layers {n!r})")
         head, points = MTPHead(model), (num_layers,)
     else:
-        from turnout.models.eagle3 import load_eagle3_head
+        from turnout.loader.eagle3 import load_eagle3_head
 
         head = load_eagle3_head(spec.model, model, runner.ops, runner.device, runner.dtype)
         points = head.aux_layers
