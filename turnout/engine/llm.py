@@ -12,7 +12,7 @@ from turnout.engine.llm_engine import LLMEngine
 from turnout.engine.outputs import RequestOutput
 from turnout.engine.rl import TokenOutput
 from turnout.engine.sampling_params import SamplingParams
-from turnout.utils.gc_freeze import collect_all
+from turnout.utils.gc_freeze import release_device_memory
 
 
 class LLM:
@@ -36,11 +36,7 @@ class LLM:
         self.engine = self._gate = _ShutDown()
         engine.shutdown()
         del engine
-        collect_all()  # the engine's parts refer to each other: free the weights and the cache now
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_device_memory("cuda")  # the engine's parts refer to each other: free the weights and the cache now
 
     def __enter__(self) -> "LLM":
         return self

@@ -39,3 +39,15 @@ def collect_all() -> None:
     gc.collect()
     if frozen:
         gc.freeze()
+
+
+def release_device_memory(device) -> None:
+    """After dropping the last references to device tensors (a rank's sleep, an engine's shutdown): collect
+    their cycles (``collect_all``; an exception's traceback can hold storage too), then, on a GPU, hand the
+    freed blocks back to the device, not only to torch's caching allocator."""
+    import torch
+
+    collect_all()
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()

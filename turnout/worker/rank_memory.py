@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from turnout.utils.gc_freeze import collect_all
+from turnout.utils.gc_freeze import release_device_memory
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +48,6 @@ class _Saved:
     stride: tuple
     dtype: torch.dtype
     host: torch.Tensor | None
-
-
-def _release_device(device: torch.device) -> None:
-    collect_all()  # tensors in reference cycles (an exception's traceback) hold their storage until collected
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 def _unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -98,7 +91,7 @@ class RankMemory:
         if not self.kv_asleep:
             r.kv_caches = []  # the tensors go with the last reference (the graphs held the others)
             self.kv_asleep = True
-        _release_device(r.device)
+        release_device_memory(r.device)
         after = self.resident_bytes()
         logger.info("sleep(level=%d) in %.3fs: released %.2f GiB of weights, %.2f GiB of KV cache", level,
                     time.perf_counter() - t0, (before["weights"] - after["weights"]) / 2**30,
