@@ -5,6 +5,8 @@ backend."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from turnout_flaggems.library import decline
@@ -64,7 +66,8 @@ def select_experts(router_logits, top_k, scoring, softmax_after_topk, n_group, t
     return weights.float(), ids.to(torch.int32)
 
 
-def _hopper(device) -> bool:
+@functools.cache
+def _hopper(device) -> bool:  # asked per layer per step: once per device
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
