@@ -92,6 +92,31 @@ def prompts(n=3, seed=5):
     return [torch.randint(0, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(5, 40, (n,), generator=g)]
 
 
+def decisive_prompts(hf, n=3, seed=5, limit=0.02):
+    """Prompts whose bfloat16 logits do not hang on a near-tie of the router. Grouped routing in the V3 shape has
+    prompts where one bf16 rounding step flips an expert and moves the last logits by 15-70 %; any two bf16
+    implementations (ours on the GPU, transformers) can land on either side there. A prompt is kept when the peer
+    in bf16 is within ``limit`` (of the largest logit) of the peer in float32, and stays within it when its input
+    embeddings are scaled by 1 + 2^-8. The prompts come from ``prompts`` with successive seeds, in order."""
+    import copy
+
+    peer = copy.deepcopy(hf).to(torch.bfloat16)
+    out, s = [], seed
+    while len(out) < n:
+        for ids in prompts(n, seed=s):
+            with torch.no_grad():
+                exact = hf(torch.tensor([ids])).logits[0, -1]
+                emb = peer.get_input_embeddings()(torch.tensor([ids]))
+                base = peer(inputs_embeds=emb).logits[0, -1].float()
+                nudged = peer(inputs_embeds=emb * (1 + 2 ** -8)).logits[0, -1].float()
+            scale = limit * exact.abs().max()
+            if (base - exact).abs().max() <= scale and (nudged - base).abs().max() <= scale and len(out) < n:
+                out.append(ids)
+        s += 1
+        assert s < seed + 50, "no decisive prompts in 50 seeds"
+    return out
+
+
 def _prefill(model, ids: list[int]):
     """Our logits at every position of one prompt: a prefill over a fresh latent cache."""
     n = len(ids)
@@ -329,7 +354,7 @@ def test_gpu_bf16_triton_and_cuda_graphs(kind, checkpoints):
     """On the GPU's own op table (Triton MLA kernels) in bfloat16: last-position logits near transformers' bf16,
     and greedy tokens with CUDA graphs equal to eager ones (the same kernels, replayed)."""
     path, hf = checkpoints[kind]
-    ids = prompts()[0]
+    ids = decisive_prompts(hf, 1)[0]
     model = load_model(path, dtype=torch.bfloat16, device="cuda", ops=resolve(detect_platform("cuda"))).model
     assert model.ops.chosen("mla_paged_attention") == "triton.default"
     n = len(ids)
