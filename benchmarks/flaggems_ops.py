@@ -172,12 +172,15 @@ def _engine_run(model, policy, dummy):
     return tokens, chosen, best, start_s
 
 
-def tokens_and_step() -> list[dict]:
+TOKEN_MODELS = {"embedded": ("SmolLM2-135M (embedded)", None, False),
+                "qwen3-8b": ("Qwen3-8B (dummy)", "benchmarks/configs/qwen3-8b", True)}
+
+
+def tokens_and_step(models=tuple(TOKEN_MODELS)) -> list[dict]:
     from turnout_flaggems import prefer_policy
 
     rows = []
-    for name, model, dummy in (("SmolLM2-135M (embedded)", None, False),
-                               ("Qwen3-8B (dummy)", "benchmarks/configs/qwen3-8b", True)):
+    for name, model, dummy in (TOKEN_MODELS[m] for m in models):
         if model is not None:
             from turnout.entrypoints.bench_models import resolve_model
 
@@ -206,7 +209,12 @@ def main() -> int:
     ap.add_argument("--parts", default="cases,timings,tokens")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--token-models", default=",".join(TOKEN_MODELS),
+                    help=f"the tokens part's models, of {', '.join(TOKEN_MODELS)}")
     args = ap.parse_args()
+    token_models = args.token_models.split(",")
+    if unknown := set(token_models) - set(TOKEN_MODELS):
+        ap.error(f"--token-models: unknown {', '.join(sorted(unknown))} (known: {', '.join(TOKEN_MODELS)})")
     if not torch.cuda.is_available():
         print("flaggems_ops.py needs a GPU", file=sys.stderr)
         return 2
@@ -234,7 +242,7 @@ def main() -> int:
                ["op", "phase", "tokens", "vendor_ms", "triton_ms", "reference_ms", "flaggems_vs_triton",
                 "flaggems_served", "vendor_err", "triton_err"], {})
     if "tokens" in parts:
-        rows = tokens_and_step()
+        rows = tokens_and_step(token_models)
         out["tokens"] = rows
         report("greedy tokens and decode step, FlagGems preferred", rows,
                ["model", "table", "greedy_equal_default", "first_diff", "decode_ms_per_token", "error"], {})

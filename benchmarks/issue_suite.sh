@@ -7,6 +7,9 @@
 #                                                      on the embedded model with real weights, HF beside; the
 #                                                      verify step of Qwen3-8B at k = 1..4, batch 1/8/64), #35
 #                                                      w4a16 kernels and batch-1 latency beside bf16 and fp8
+#   benchmarks/issue_suite.sh OUTDIR backend-spec-flaggems  #39 and #34 as above, then #36's greedy tokens of the
+#                                                      embedded model with FlagGems preferred (WHEELS: flag-gems,
+#                                                      sqlalchemy, greenlet installed into $SITE with the plugin)
 #   benchmarks/issue_suite.sh OUTDIR mla               #32 the MLA decode kernel at DeepSeek-V3's shape, then
 #                                                      latent prefill absorbed vs decompressed
 #
@@ -61,6 +64,16 @@ backend-spec-w4)
   step hf_backend 230 "$PY" benchmarks/hf_backend.py --model qwen3-8b --json "$OUT/hf_backend.json"
   step speculative 150 "$PY" benchmarks/speculative.py --num-prompts 3 --out "$OUT/speculative.json"
   step w4a16 150 "$PY" benchmarks/w4a16.py --out "$OUT/w4a16" --parts kernels,latency
+  ;;
+backend-spec-flaggems)
+  step setup 40 bash -c "$(declare -f setup_site); PY=$PY SITE=$SITE setup_site"
+  step hf_backend 220 "$PY" benchmarks/hf_backend.py --model qwen3-8b --json "$OUT/hf_backend.json"
+  step speculative 150 "$PY" benchmarks/speculative.py --num-prompts 3 --out "$OUT/speculative.json"
+  step flaggems_install 25 "$PY" -m pip install -q --no-deps --no-index --no-build-isolation --target "$SITE" \
+    "${WHEELS:-.gpu/wheels}"/flag_gems-*.whl "${WHEELS:-.gpu/wheels}"/sqlalchemy-*.whl \
+    "${WHEELS:-.gpu/wheels}"/greenlet-*.whl ./plugins/turnout-flaggems
+  step flaggems_tokens 150 "$PY" benchmarks/flaggems_ops.py --parts tokens --token-models embedded \
+    --output-json "$OUT/flaggems_tokens.json"
   ;;
 mla)
   step setup 40 bash -c "$(declare -f setup_site); PY=$PY SITE=$SITE setup_site"
