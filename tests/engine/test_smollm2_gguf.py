@@ -112,10 +112,29 @@ def test_generate_cli_streams_text(tmp_path):
     assert "tokens/s" in r.stderr
 
 
+def test_the_default_keeps_the_q4_blocks_where_the_native_kernel_serves(llm):
+    """The embedded default (no quantization asked) keeps its Q4_1 projections 4-bit where the CPU's native kernel
+    serves w4a16_linear (the other tests of this file hold its tokens to HF's); denied that kernel, it loads them
+    dequantised to float32 as before."""
+    served = llm.engine.runner.ops.chosen("w4a16_linear")
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    if served != "vendor.cpu_native":
+        pytest.skip(f"w4a16_linear served by {served} here (the native kernel did not build)")
+    assert qkv.qweight.dtype == torch.uint8 and not hasattr(qkv, "weight")
+    plain = LLM(seed=0, ops_policy="deny=vendor.cpu_native")
+    qkv = plain.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float32 and not hasattr(qkv, "qweight")
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    a, b = (x.generate(PLAIN[:2], params) for x in (llm, plain))
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
 def test_kept_q4_blocks_greedy_match_hf(hf):
-    """quantization="gguf": the projections stay in their Q4_1 blocks (w4a16 ops), the tokens stay HF's."""
+    """quantization="gguf" on the slab path (vendor.cpu, where no native kernel builds): the projections stay in
+    their Q4_1 blocks, the tokens stay HF's."""
     tok, model = hf
-    llm4 = LLM(seed=0, quantization="gguf")
+    llm4 = LLM(seed=0, quantization="gguf", ops_policy="deny=vendor.cpu_native")
+    assert llm4.engine.runner.ops.chosen("w4a16_linear") == "vendor.cpu"
     qkv = llm4.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.qweight.dtype == torch.uint8 and not hasattr(qkv, "weight")
     # two prompts, 16 tokens: the float32 path dequantises every projection per call (several times slower than

@@ -38,8 +38,18 @@ def test_act_perm_reads_input_columns():
     assert torch.allclose(ref.w4a16_linear(x, qw, sz, 32, perm), x[:, perm] @ w.T, atol=1e-5)
 
 
+def _native():
+    from turnout.ops.spec import ImplUnavailable
+    from turnout.ops.vendors.cpu import native
+
+    try:
+        return native.w4a16_linear_factory()
+    except ImplUnavailable as e:  # no compiler here: the conformance report names it too
+        pytest.skip(f"vendor.cpu_native unavailable: {e}")
+
+
 def _impls():
-    out = [pytest.param(cpu.w4a16_linear, id="vendor.cpu")]
+    out = [pytest.param(cpu.w4a16_linear, id="vendor.cpu"), pytest.param(_native, id="vendor.cpu_native")]
     from turnout.ops.triton._tuning import interpreted
 
     if interpreted():
@@ -50,8 +60,10 @@ def _impls():
 
 
 @pytest.mark.parametrize("fn", _impls())
-@pytest.mark.parametrize("m,n,k,g", [(1, 64, 64, 64), (1, 256, 1024, 128), (2, 64, 256, 32), (20, 128, 128, 32)])
+@pytest.mark.parametrize("m,n,k,g", [(1, 64, 64, 64), (1, 256, 1024, 128), (2, 64, 256, 32), (20, 128, 128, 32),
+                                     (129, 128, 64, 32), (0, 64, 64, 32)])
 def test_paths_equal_reference(fn, m, n, k, g):
+    fn = fn() if fn is _native else fn
     gen = torch.Generator().manual_seed(m + n + k)
     qw, sz = ref.random_w4(n, k, g, torch.float32, "cpu", gen)
     x = torch.randn(m, k, generator=gen)
@@ -62,6 +74,7 @@ def test_paths_equal_reference(fn, m, n, k, g):
 
 @pytest.mark.parametrize("fn", [ref.w4a16_linear] + [p.values[0] for p in _impls()])
 def test_bad_shapes_refused(fn):
+    fn = fn() if fn is _native else fn
     gen = torch.Generator().manual_seed(0)
     qw, sz = ref.random_w4(64, 128, 32, torch.float32, "cpu", gen)
     x = torch.randn(1, 128)

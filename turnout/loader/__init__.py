@@ -229,6 +229,13 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
             if load_format != "dummy":
                 progress.doing("checking the checkpoint")
                 reader, files, total = _check_files(src, quantization == "gguf")
+                if quantization is None and reader is not None:
+                    from turnout.loader.gguf_blocks import keeps_by_default
+
+                    if keeps_by_default(reader, ops):  # the CPU's native 4-bit kernel: the blocks stay 4-bit
+                        from turnout.loader.gguf import tensor_count
+
+                        quantization, total = "gguf", tensor_count(reader, True)
         progress.doing("config", total=total + 3)
         progress.done()
         hf_config = load_config(src) if hf_config is None else hf_config

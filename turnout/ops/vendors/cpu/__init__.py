@@ -2,6 +2,9 @@
 rms_norm, index_copy_, argmax), fewer temporaries than the reference.
 
 Only the platform ``cpu``; nothing here is imported until probed.
+
+vendor.cpu_native: kernels of turnout's own (csrc/), built on first use with the machine's C++ compiler
+(native.py); ranked above vendor.cpu where both serve an op, unavailable with the reason where nothing builds.
 """
 
 from turnout.ops.spec import Impl
@@ -21,7 +24,16 @@ OPS = {
 }
 
 
+NATIVE_OPS = {
+    "w4a16_linear": "native:w4a16_linear_factory",
+}
+
+
 def register(registry) -> None:
+    for op, target in NATIVE_OPS.items():
+        if op in registry.ops:
+            registry.add_impl(Impl(op=op, id="vendor.cpu_native", target=f"turnout.ops.vendors.cpu.{target}",
+                                   platforms=("cpu",), priority=1, factory=True))
     for op, target in OPS.items():
         if op in registry.ops:
             registry.add_impl(Impl(op=op, id="vendor.cpu", target=f"turnout.ops.vendors.cpu.{target}",
