@@ -77,7 +77,7 @@ def _command(compiler: str, source: str, out: str) -> list[str]:
     return cmd + ["-lc10", "-ltorch_cpu"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load() -> str:
     """Build (once per machine and torch) and load the library; its path. ImplUnavailable with the reason."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
