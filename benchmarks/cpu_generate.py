@@ -45,8 +45,13 @@ def weight_bytes(model) -> int:
     return total
 
 
-VARIANTS = {"float32": {}, "gguf": {"quantization": "gguf"},
-            "gguf-bf16": {"quantization": "gguf", "dtype": "bfloat16"}}
+# default: the embedded model as it loads (its Q4_1 blocks kept where vendor.cpu_native builds); float32: dequantised
+# at load (the default before the native kernel, and wherever it does not build); gguf-slab: the blocks kept on the
+# vendor.cpu slab path; gguf-bf16: kept, bfloat16 activations (torch's int4 kernel).
+NO_NATIVE = "deny=vendor.cpu_native"
+VARIANTS = {"default": {}, "float32": {"ops_policy": NO_NATIVE},
+            "gguf-slab": {"quantization": "gguf", "ops_policy": NO_NATIVE},
+            "gguf-bf16": {"quantization": "gguf", "dtype": "bfloat16", "ops_policy": NO_NATIVE}}
 
 
 LOAD_GROWTH = """
@@ -56,10 +61,13 @@ def rss():  # anonymous resident memory (the mapped GGUF file's pages are the pa
     return int(line.split()[1]) / 1e3
 from turnout.loader import load_model
 from turnout.ops import resolve
+from turnout.ops.policy import Policy
 from turnout.platforms.detect import detect_platform
-ops = resolve(detect_platform("cpu"))
+kw = eval(sys.argv[1])
+platform = detect_platform("cpu")
+ops = resolve(platform, policy=Policy.from_sources(kw.pop("ops_policy", None), platform=platform))
 before = rss()
-m = load_model(None, ops=ops, device="cpu", **eval(sys.argv[1]))
+m = load_model(None, ops=ops, device="cpu", **kw)
 print(rss() - before)
 """
 
@@ -73,7 +81,7 @@ def load_growth_mb(variant: str) -> float:
     return float(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else float("nan")
 
 
-def bench_turnout(prompts, new_tokens, variant: str = "float32"):
+def bench_turnout(prompts, new_tokens, variant: str = "default"):
     from turnout import LLM, SamplingParams
 
     load_mb = load_growth_mb(variant)
@@ -154,7 +162,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeats", type=int, default=2, help="best of N timings per measurement")
-    ap.add_argument("--variants", default="float32", help=f"turnout configurations ({', '.join(VARIANTS)})")
+    ap.add_argument("--variants", default="default", help=f"turnout configurations ({', '.join(VARIANTS)})")
     ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp on the same GGUF beside (builds it once)")
     args = ap.parse_args()
     global REPEATS

@@ -27,7 +27,7 @@ ATTN_DECODE_KEYS = ("num_splits", "block_n", "num_warps", "num_stages")
 # Every variable this module reads (docs/architecture.md lists each; tests/test_envs.py checks both).
 VARIABLES = ("TURNOUT_OPS", "TURNOUT_PDL", "TURNOUT_PDL_EARLY", "TURNOUT_SMALL_M_TILES", "TURNOUT_MOE_DECODE_CONFIG",
              "TURNOUT_ATTN_DECODE", "TURNOUT_ROPE_ATTENTION", "TURNOUT_MLA_PREFILL", "TURNOUT_API_KEY", "TURNOUT_BENCH_CONFIGS",
-             "TRITON_INTERPRET", "RANK", "RAY_LOCAL_WORLD_SIZE")
+             "TURNOUT_NATIVE_CACHE", "CXX", "XDG_CACHE_HOME", "TRITON_INTERPRET", "RANK", "RAY_LOCAL_WORLD_SIZE")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -52,6 +52,11 @@ class Envs:
     mla_prefill: str = "auto"
     api_key: str | None = None  # TURNOUT_API_KEY: `turnout serve --api-key` default
     bench_configs: Path | None = None  # TURNOUT_BENCH_CONFIGS: an extra directory of benchmark model configs
+    # TURNOUT_NATIVE_CACHE: where vendor.cpu_native's built library goes (default XDG_CACHE_HOME or ~/.cache,
+    # then turnout/native); CXX: the C++ compiler that builds it (default c++, g++ or clang++ on PATH)
+    native_cache: Path | None = None
+    cxx: str | None = None
+    xdg_cache_home: Path | None = None
     triton_interpret: bool = False  # TRITON_INTERPRET: Triton kernels run in the interpreter (CPU tests)
     # RANK, RAY_LOCAL_WORLD_SIZE: a verl trainer worker's rank and its node's worker count, as verl's Ray worker
     # group sets them (the verl rollout, turnout/integrations/verl/rollout.py, finds its server and socket by them)
@@ -180,6 +185,12 @@ def _directory(environ, name: str) -> Path | None:
     return path
 
 
+def _path(environ, name: str) -> Path | None:
+    """A path that need not exist yet (a cache directory made on first use)."""
+    text = _text(environ, name)
+    return None if text is None else Path(text).expanduser()
+
+
 def load(environ: Mapping[str, str] | None = None) -> Envs:
     """``Envs`` of ``environ``; without one, the cached value of ``os.environ`` (parsed on first use)."""
     if environ is None:
@@ -195,6 +206,9 @@ def load(environ: Mapping[str, str] | None = None) -> Envs:
         mla_prefill=_choice(environ, "TURNOUT_MLA_PREFILL", ("auto", "absorbed", "decompressed")),
         api_key=_text(environ, "TURNOUT_API_KEY"),
         bench_configs=_directory(environ, "TURNOUT_BENCH_CONFIGS"),
+        native_cache=_path(environ, "TURNOUT_NATIVE_CACHE"),
+        cxx=_text(environ, "CXX"),
+        xdg_cache_home=_path(environ, "XDG_CACHE_HOME"),
         triton_interpret=_bool(environ, "TRITON_INTERPRET", False),
         rank=_int(environ, "RANK", 0),
         ray_local_world_size=_int(environ, "RAY_LOCAL_WORLD_SIZE", 1),

@@ -58,11 +58,12 @@ def test_the_same_bits_on_one_thread_and_on_two(w4a16_linear, m):
 
 
 @pytest.mark.parametrize("compiler,why", [("/nonexistent/c++", "No such file"), ("false", "exit 1")])
-def test_a_machine_where_nothing_builds_gets_the_reason(tmp_path, monkeypatch, compiler, why):
-    monkeypatch.setenv("CXX", compiler)
-    monkeypatch.setenv("TURNOUT_NATIVE_CACHE", str(tmp_path))
+def test_a_machine_where_nothing_builds_gets_the_reason(tmp_path, compiler, why):
+    from turnout import envs
+
+    settings = envs.load({"CXX": compiler, "TURNOUT_NATIVE_CACHE": str(tmp_path)})
     with pytest.raises(ImplUnavailable, match=f"building the CPU kernels with {re.escape(compiler)} failed.*{why}"):
-        native.load.__wrapped__()  # not the process's cached load
+        native.build(settings)  # not the process's cached load
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left to load next time
 
 

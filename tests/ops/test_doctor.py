@@ -29,11 +29,25 @@ def run_main(registry, **kw):
 
 
 def _cpu_default(registry, op):
-    """On cpu the platform order is vendor, reference, triton: vendor.cpu where it exists; None for an
-    optional op that needs what the cpu lacks (device streams: swap_layer_async)."""
+    """On cpu the platform order is vendor, reference, triton: vendor.cpu_native where it exists and built here,
+    else vendor.cpu where it exists; None for an optional op that needs what the cpu lacks (device streams:
+    swap_layer_async)."""
     if registry.ops[op].requires is not None and not registry.ops[op].requires(detect_platform("cpu"))[0]:
         return None
+    if "vendor.cpu_native" in registry.impl_ids(op) and native_builds():
+        return "vendor.cpu_native"
     return "vendor.cpu" if "vendor.cpu" in registry.impl_ids(op) else "reference.torch"
+
+
+def native_builds() -> bool:
+    from turnout.ops.spec import ImplUnavailable
+    from turnout.ops.vendors.cpu import native
+
+    try:
+        native.load()
+    except ImplUnavailable:
+        return False
+    return True
 
 
 def test_json_shape(registry, monkeypatch):

@@ -237,7 +237,8 @@ def test_each_non_reference_impl_removed_every_op_still_resolves(op, impl_id, mo
         with caplog.at_level(logging.DEBUG, logger="turnout.ops"):
             log_table(table)
         info, debug = caplog.records[-2:]
-        if not impl.below:  # first in line (prefer=its family), so the op fell back past it
+        first = table.resolutions[op].candidates[0].impl == impl_id
+        if first:  # first in line (prefer=its family, highest priority in it), so the op fell back past it
             assert f"past {impl_id} ({needle}" in info.getMessage() and op in info.getMessage()
         row = next(line for line in debug.getMessage().splitlines() if line.startswith(op + " "))
         assert f"{impl_id}: {needle}" in row

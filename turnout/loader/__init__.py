@@ -230,11 +230,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
                 progress.doing("checking the checkpoint")
                 reader, files, total = _check_files(src, quantization == "gguf")
                 if quantization is None and reader is not None:
-                    from turnout.loader.gguf_blocks import keeps_by_default
+                    from turnout.loader.gguf import keeps_by_default, tensor_count
 
                     if keeps_by_default(reader, ops):  # the CPU's native 4-bit kernel: the blocks stay 4-bit
-                        from turnout.loader.gguf import tensor_count
-
                         quantization, total = "gguf", tensor_count(reader, True)
         progress.doing("config", total=total + 3)
         progress.done()

@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from turnout.loader.gguf_blocks import DECODER_LINEARS, Q4_TYPES, q4_blocks
+from turnout.loader.gguf_blocks import DECODER_LINEARS, Q4_TYPES, check_keepable, q4_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -207,3 +207,23 @@ def tensor_count(reader, keep_q4: bool = False) -> int:
         kept = keep_q4 and int(t.tensor_type) in Q4_TYPES and DECODER_LINEARS.match(t.name)
         n += int(t.data.shape[0]) if "_exps." in t.name else 2 if kept else int(t.name not in HARMLESS_UNMAPPED)
     return n
+
+
+KEEPS_BY_DEFAULT = ("vendor.cpu_native",)  # w4a16_linear implementations faster than the dequantised float GEMM
+
+
+def keeps_by_default(reader, ops) -> bool:
+    """Whether a GGUF file loaded without ``quantization`` keeps its 4-bit blocks anyway: where the op table serves
+    ``w4a16_linear`` with a kernel that reads the blocks faster than a float32 GEMM reads the inflated weight
+    (``KEEPS_BY_DEFAULT``: the CPU's native kernel, 4-7x faster at one row, docs/benchmarks.md) and the file can
+    keep them (its architecture's layout is built, every projection Q4_0 / Q4_1). The values are the same either way
+    (the dequantised weight's, summed in another order); the weights take 4.5 bits instead of 32."""
+    if ops is None or not ops.available("w4a16_linear") or ops.chosen("w4a16_linear") not in KEEPS_BY_DEFAULT:
+        return False
+    if field(reader, "general.architecture") not in KEPT_Q4_ARCHITECTURES:
+        return False
+    try:
+        check_keepable(reader)
+    except ValueError:
+        return False
+    return True

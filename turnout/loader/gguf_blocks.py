@@ -57,28 +57,6 @@ def check_keepable(reader) -> None:
         raise ValueError("quantization: 'gguf' found no decoder projections in this file")
 
 
-KEEPS_BY_DEFAULT = ("vendor.cpu_native",)  # w4a16_linear implementations faster than the dequantised float GEMM
-
-
-def keeps_by_default(reader, ops) -> bool:
-    """Whether a GGUF file loaded without ``quantization`` keeps its 4-bit blocks anyway: where the op table serves
-    ``w4a16_linear`` with a kernel that reads the blocks faster than a float32 GEMM reads the inflated weight
-    (``KEEPS_BY_DEFAULT``: the CPU's native kernel, 4-7x faster at one row, docs/benchmarks.md) and the file can
-    keep them (its architecture's layout is built, every projection Q4_0 / Q4_1). The values are the same either way
-    (the dequantised weight's, summed in another order); the weights take 4.5 bits instead of 32."""
-    from turnout.loader.gguf import KEPT_Q4_ARCHITECTURES, field
-
-    if ops is None or not ops.available("w4a16_linear") or ops.chosen("w4a16_linear") not in KEEPS_BY_DEFAULT:
-        return False
-    if field(reader, "general.architecture") not in KEPT_Q4_ARCHITECTURES:
-        return False
-    try:
-        check_keepable(reader)
-    except ValueError:
-        return False
-    return True
-
-
 def w4_method(reader):
     """The linear layers' method for a file whose projections keep their blocks (``check_keepable`` first)."""
     from turnout.quant.w4 import W4LinearMethod

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from turnout import envs
 from turnout.ops.spec import ImplUnavailable
 from turnout.ops.w4_layout import check_layout
 
@@ -36,11 +37,10 @@ SOURCES = ("w4a16.cpp",)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
 
-def _cache_dir() -> str:
-    explicit = os.environ.get("TURNOUT_NATIVE_CACHE")
-    if explicit:
-        return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+def _cache_dir(settings) -> str:
+    if settings.native_cache is not None:
+        return str(settings.native_cache)
+    base = str(settings.xdg_cache_home or os.path.join(os.path.expanduser("~"), ".cache"))
     return os.path.join(base, "turnout", "native")
 
 
@@ -79,8 +79,14 @@ def _command(compiler: str, source: str, out: str) -> list[str]:
 
 @functools.cache
 def load() -> str:
-    """Build (once per machine and torch) and load the library; its path. ImplUnavailable with the reason."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    """Build (once per machine and torch) and load the library, once per process; its path. ImplUnavailable
+    with the reason."""
+    return build(envs.get())
+
+
+def build(settings) -> str:
+    """``load`` under ``settings`` (``turnout.envs.Envs``: the compiler, the cache directory)."""
+    compiler = settings.cxx or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         raise ImplUnavailable("no C++ compiler (c++, g++ or clang++ on PATH, or $CXX) to build the CPU kernels")
     srcs = [os.path.join(_CSRC, name) for name in SOURCES]
@@ -90,7 +96,7 @@ def load() -> str:
             key.update(f.read())
     key.update(" ".join(_command("c++", "SRC", "OUT")[1:]).encode())
     key.update(f"{torch.__version__}|{platform.machine()}|{_cpu_features()}".encode())
-    directory = os.path.join(_cache_dir(), key.hexdigest()[:16])
+    directory = os.path.join(_cache_dir(settings), key.hexdigest()[:16])
     lib = os.path.join(directory, "turnout_cpu_native.so")
     if not os.path.exists(lib):
         os.makedirs(directory, exist_ok=True)
