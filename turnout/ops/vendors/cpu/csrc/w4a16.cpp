@@ -11,7 +11,8 @@
 //    (never written as floats); y = sum_g s_g A_g + (z - 8 s)_g X_g with A_g = sum_k x q, X_g = sum_k x.
 //  * 1 < M <= TILE_ROWS: per block and group, the group's values widened once into a float tile in L1, then each
 //    row's dot runs over the tile (the weight is read from memory once for all rows).
-//  * larger M (prefill): the weight dequantised into a float32 [N, K] and one at::mm (the BLAS GEMM).
+//  * larger M (prefill): the weight dequantised into a float32 [K, N] (each block's 64 values of a column
+//    contiguous) and one at::mm (the BLAS GEMM).
 // Blocks of 64 rows are split over torch's intra-op threads (at::parallel_for). Values are the reference's; the
 // order of the sums differs (float32 rounding, ~1e-7 relative).
 #include <ATen/ATen.h>
@@ -33,7 +34,7 @@ namespace {
 
 constexpr int64_t ROWS = 64;
 
-constexpr int64_t TILE_ROWS = 128;  // up to this many rows of x take the tiled path; beyond, dequantise + GEMM
+constexpr int64_t TILE_ROWS = 32;  // up to this many rows the tiled path; beyond, dequantise + GEMM (measured: docs/benchmarks.md)
 
 // The group's scale s and shifted zero z - 8 s of one block's 64 rows, as float32.
 template <typename T>
@@ -156,21 +157,23 @@ void block_rows(const float* x, int64_t M, int64_t K, int64_t G, const uint8_t* 
   for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, out + m * ROWS, ROWS * sizeof(float));
 }
 
+// The float32 weight transposed, wt [K, N]: block b's 64 values of column k are the 32 bytes widened and land in
+// wt[k, 64 b .. 64 b + 63], contiguous (the GEMM reads it as its [K, N] operand).
 template <typename T>
-void dequantize_blocks(const uint8_t* q, const T* sz, int64_t N, int64_t K, int64_t G, float* w) {
+void dequantize_blocks_t(const uint8_t* q, const T* sz, int64_t N, int64_t K, int64_t G, float* wt) {
   at::parallel_for(0, N / ROWS, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t groups = K / G;
-    std::vector<float> s(groups * ROWS), z2(groups * ROWS);
+    alignas(64) float s[ROWS], z2[ROWS];
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* blk = q + b * K * 32;
-      for (int64_t g = 0; g < groups; ++g) block_scales(sz, g, b * ROWS, N, &s[g * ROWS], &z2[g * ROWS]);
-      for (int64_t j = 0; j < ROWS; ++j) {  // one output row at a time: contiguous writes; the block's bytes stay in L1
-        float* wr = w + (b * ROWS + j) * K;
-        const uint8_t* p = blk + (j & 31);
-        const int shift = j < 32 ? 0 : 4;
-        for (int64_t g = 0; g < groups; ++g) {
-          const float sc = s[g * ROWS + j], zz = z2[g * ROWS + j];
-          for (int64_t k = g * G; k < (g + 1) * G; ++k) wr[k] = static_cast<float>((p[k * 32] >> shift) & 15) * sc + zz;
+      for (int64_t g0 = 0, g = 0; g0 < K; g0 += G, ++g) {
+        block_scales(sz, g, b * ROWS, N, s, z2);
+        for (int64_t k = g0; k < g0 + G; ++k) {
+          const uint8_t* p = blk + k * 32;
+          float* w = wt + k * N + b * ROWS;
+          for (int64_t j = 0; j < 32; ++j) {
+            w[j] = static_cast<float>(p[j] & 15) * s[j] + z2[j];
+            w[j + 32] = static_cast<float>(p[j] >> 4) * s[j + 32] + z2[j + 32];
+          }
         }
       }
     }
@@ -196,15 +199,16 @@ void check(const at::Tensor& qweight, const at::Tensor& scale_zeros, int64_t K, 
     default: TORCH_CHECK(false, NAME ": scale_zeros must be float32, float16 or bfloat16"); \
   }
 
+// The float32 weight [N, K] (a transposed view of a contiguous [K, N]).
 at::Tensor w4a16_dequantize(const at::Tensor& qweight, const at::Tensor& scale_zeros, int64_t group_size) {
   const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
   check(qweight, scale_zeros, K, group_size);
-  auto w = at::empty({N, K}, qweight.options().dtype(at::kFloat));
+  auto wt = at::empty({K, N}, qweight.options().dtype(at::kFloat));
   TURNOUT_SZ_TYPES(scale_zeros, "w4a16_dequantize", [&] {
-    dequantize_blocks(qweight.data_ptr<uint8_t>(), scale_zeros.data_ptr<T>(), N, K, group_size,
-                      w.data_ptr<float>());
+    dequantize_blocks_t(qweight.data_ptr<uint8_t>(), scale_zeros.data_ptr<T>(), N, K, group_size,
+                        wt.data_ptr<float>());
   });
-  return w;
+  return wt.t();
 }
 
 at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_zeros,
@@ -212,7 +216,7 @@ at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = group_size;
   check(qweight, scale_zeros, K, G);
-  if (M > TILE_ROWS) return at::mm(x, w4a16_dequantize(qweight, scale_zeros, G).t());  // compute-bound: BLAS
+  if (M > TILE_ROWS) return at::mm(x, w4a16_dequantize(qweight, scale_zeros, G).t());  // BLAS on the [K, N] buffer
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
