@@ -51,7 +51,9 @@ class W4Config:
         return {"qweight": "qweight", "scales": "scales", "qzeros": "qzeros", "g_idx": "g_idx"}
 
     def describe(self) -> str:
-        zp = "zero points" if self.zero_points else "symmetric"
+        # a GGUF file's blocks carry their zero in scale_zeros (Q4_1's minimum), whatever zero_points says
+        minimum = self.fmt == "gguf" and "Q4_1" in self.source
+        zp = "zero points" if self.zero_points or minimum else "symmetric"
         order = ", activation order" if self.act_order else ""
         return f"w4a16 ({self.source}: 4-bit weights, group {self.group_size}, {zp}{order})"
 
