@@ -26,6 +26,7 @@ OPS = {
 
 NATIVE_OPS = {
     "w4a16_linear": "native:w4a16_linear_factory",
+    "moe_experts_w4a16": "native:moe_experts_w4a16_factory",
 }
 
 

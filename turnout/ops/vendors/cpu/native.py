@@ -145,3 +145,10 @@ def w4a16_linear_factory():
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     return w4a16_linear
+
+
+def moe_experts_w4a16_factory():
+    """moe_experts_w4a16 with each active expert's projections through the native w4a16_linear."""
+    from turnout.ops.vendors.cpu.moe_w4a16 import experts_over
+
+    return experts_over(w4a16_linear_factory())
