@@ -33,8 +33,7 @@ from turnout.ops.w4_layout import check_layout
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("w4a16.cpp",)
-_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "w4a16.cpp")
 
 
 def _cache_dir(settings) -> str:
@@ -89,27 +88,21 @@ def build(settings) -> str:
     compiler = settings.cxx or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         raise ImplUnavailable("no C++ compiler (c++, g++ or clang++ on PATH, or $CXX) to build the CPU kernels")
-    srcs = [os.path.join(_CSRC, name) for name in SOURCES]
     key = hashlib.sha256()
-    for path in srcs:
-        with open(path, "rb") as f:
-            key.update(f.read())
+    with open(SOURCE, "rb") as f:
+        key.update(f.read())
     key.update(" ".join(_command("c++", "SRC", "OUT")[1:]).encode())
     key.update(f"{torch.__version__}|{platform.machine()}|{_cpu_features()}".encode())
     directory = os.path.join(_cache_dir(settings), key.hexdigest()[:16])
     lib = os.path.join(directory, "turnout_cpu_native.so")
     if not os.path.exists(lib):
         os.makedirs(directory, exist_ok=True)
-        unity = os.path.join(directory, "all.cpp")  # one translation unit: one compiler call
-        with open(unity + ".tmp", "w") as f:
-            f.writelines(f'#include "{path}"\n' for path in srcs)
-        os.replace(unity + ".tmp", unity)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
         logger.info("building turnout's CPU kernels with %s (once for this machine and torch; ~10-20 s)", compiler)
         t0 = time.perf_counter()
         try:
-            done = subprocess.run(_command(compiler, unity, tmp), capture_output=True, text=True, timeout=600)
+            done = subprocess.run(_command(compiler, SOURCE, tmp), capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:
             os.unlink(tmp)
             raise ImplUnavailable(f"building the CPU kernels with {compiler} failed: {e}") from e
